@@ -1,0 +1,23 @@
+"""Architecture registry: one small file per architecture."""
+from .base import (
+    ArchSpec,
+    UnsupportedArchitectureError,
+    decoder_layers,
+    get_arch,
+    get_submodule,
+    register,
+    set_submodule,
+    supported_model_types,
+)
+from . import llama, mistral, qwen2  # noqa: F401  (registration side effects)
+
+__all__ = [
+    "ArchSpec",
+    "UnsupportedArchitectureError",
+    "decoder_layers",
+    "get_arch",
+    "get_submodule",
+    "register",
+    "set_submodule",
+    "supported_model_types",
+]
