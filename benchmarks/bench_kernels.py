@@ -1,0 +1,282 @@
+"""Masked GEMV benchmark: time of the masked paths relative to a dense GEMV, same run.
+
+    python benchmarks/bench_kernels.py                 # CPU section, plus GPU section if CUDA
+    python benchmarks/bench_kernels.py --skip-cpu      # GPU only (e.g. on an H100)
+    python benchmarks/bench_kernels.py --quick         # fewer shapes / fractions
+
+Writes benchmarks/results/kernels_cpu.{md,json} and, with CUDA, kernels_gpu.{md,json}.
+Every number in a table is time(masked path) / time(dense `v @ w_t`) measured in the same run
+on the same tensors (< 1 means faster than dense). The mask keeps exactly round(f*K) inputs,
+chosen by magnitude from a random normal v (scattered, as in decoding); the threshold is a
+0-dim tensor on the device, as the RaNA modules hold it.
+
+CPU timing: torch.utils.benchmark.Timer.blocked_autorange, median.
+GPU timing: triton.testing.do_bench (median, L2 flushed before each call: weights are not L2
+resident across layers in decoding) and, separately, do_bench_cudagraph (launch overhead
+removed, as under CUDA graphs / torch.compile "reduce-overhead").
+`--interpret-smoke` runs the GPU section's code on CPU tensors under TRITON_INTERPRET=1 with
+tiny shapes (checks the script itself on a machine without a GPU; timings meaningless).
+"""
+from __future__ import annotations
+
+import argparse
+import datetime as _dt
+import json
+import os
+import platform
+import sys
+from pathlib import Path
+
+if "--interpret-smoke" in sys.argv:  # must precede the first kernel build
+    os.environ["TRITON_INTERPRET"] = "1"
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+try:
+    from rana.kernels import masked_gemv as mg
+except ImportError:  # running from a checkout without `pip install -e .`
+    import importlib.util
+
+    _spec = importlib.util.spec_from_file_location("masked_gemv", ROOT / "kernels" / "masked_gemv.py")
+    mg = importlib.util.module_from_spec(_spec)
+    _spec.loader.exec_module(mg)
+
+SHAPES = [(576, 1536), (1536, 576), (4096, 4096), (4096, 11008), (11008, 4096)]
+FRACS = [0.1, 0.25, 0.5, 0.75, 1.0]
+DTYPE_NAMES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
+
+
+def make_weight(K, N, dtype, device, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(K, N, generator=g).to(dtype=dtype, device=device)
+
+
+def make_input(K, dtype, device, frac, mode, seed=1):
+    """v (1, K), a 0-dim threshold tensor keeping exactly round(frac*K) inputs, and scale."""
+    g = torch.Generator().manual_seed(seed)
+    v = torch.randn(1, K, generator=g).to(dtype=dtype, device=device)
+    scale = (torch.rand(K, generator=g) + 0.5).to(device)
+    vf = v.float().reshape(K).cpu()
+    score = {"square": vf * vf, "abs": vf.abs(), "abs_scaled": vf.abs() * scale.float().cpu()}[mode]
+    n = round(frac * K)
+    s, _ = torch.sort(score, descending=True)
+    if n >= K:
+        t = float(s[-1]) - 1.0
+    elif n <= 0:
+        t = float(s[0]) + 1.0
+    else:
+        t = (float(s[n - 1]) + float(s[n])) / 2
+    return v, torch.tensor(t, dtype=torch.float32, device=device), scale
+
+
+# ------------------------------------------------------------------------------------- timers
+def cpu_time_us(fn, min_run_time, threads=1):
+    from torch.utils import benchmark
+
+    fn()
+    m = benchmark.Timer(stmt="fn()", globals={"fn": fn}, num_threads=threads).blocked_autorange(
+        min_run_time=min_run_time)
+    return m.median * 1e6
+
+
+def gpu_time_us(fn, graph=False):
+    import triton.testing
+
+    fn()
+    torch.cuda.synchronize()
+    if graph:
+        return triton.testing.do_bench_cudagraph(fn, rep=20, return_mode="median") * 1e3
+    return triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median") * 1e3
+
+
+# ----------------------------------------------------------------------------------- sections
+def run_cpu(shapes, fracs, dtypes, mode, min_run_time, rounds, threads):
+    """Dense and the masked paths are timed back to back `rounds` times; the reported ratio is
+    the median of the per-round ratios (robust to load drifting on a shared machine)."""
+    torch.set_grad_enabled(False)
+    records = []
+    for dname in dtypes:
+        dtype = DTYPE_NAMES[dname]
+        for K, N in shapes:
+            w_t = make_weight(K, N, dtype, "cpu")
+            print(f"[cpu] {dname} K={K} N={N}", flush=True)
+            for f in fracs:
+                v, t, scale = make_input(K, dtype, "cpu", f, mode)
+                fns = {
+                    "dense": lambda: v @ w_t,
+                    "torch": lambda: mg.masked_gemv_torch(w_t, v, t, mode=mode, scale=scale),
+                    "dense_masked": lambda: mg.masked_gemv_dense(w_t, v, t, mode=mode, scale=scale),
+                }
+                times = {name: [] for name in fns}
+                for _ in range(rounds):
+                    for name, fn in fns.items():
+                        times[name].append(cpu_time_us(fn, min_run_time, threads))
+                dense = torch.tensor(times["dense"])
+                line = [f"    f={f:<5} dense {dense.median().item():9.1f} us"]
+                for name in ("torch", "dense_masked"):
+                    ratios = torch.tensor(times[name]) / dense
+                    records.append(dict(section="cpu", path=name, dtype=dname, K=K, N=N, frac=f,
+                                        us=float(torch.tensor(times[name]).median()),
+                                        dense_us=float(dense.median()), ratio=float(ratios.median()),
+                                        ratio_min=float(ratios.min()), ratio_max=float(ratios.max()),
+                                        rounds=rounds))
+                    line.append(f"{name} x{records[-1]['ratio']:.2f} [{ratios.min():.2f}-{ratios.max():.2f}]")
+                print("  ".join(line), flush=True)
+    return records
+
+
+def run_gpu(shapes, fracs, dtypes, mode, device, timer, graphs):
+    torch.set_grad_enabled(False)
+    records = []
+    for dname in dtypes:
+        dtype = DTYPE_NAMES[dname]
+        for K, N in shapes:
+            w_t = make_weight(K, N, dtype, device)
+            v, _, scale = make_input(K, dtype, device, 1.0, mode)
+            timings = {"eager": lambda fn: timer(fn, False)}
+            if graphs:
+                timings["graph"] = lambda fn: timer(fn, True)
+            dense = {}
+            for tname, tm in timings.items():
+                try:
+                    dense[tname] = tm(lambda: v @ w_t)
+                except Exception as e:  # noqa: BLE001 - keep the eager table if graphs fail
+                    print(f"[gpu] {tname} timing failed: {type(e).__name__}: {e}", flush=True)
+            print(f"[gpu] {dname} K={K} N={N} dense " + " ".join(f"{k}={u:.1f}us" for k, u in dense.items()),
+                  flush=True)
+            for f in fracs:
+                v, t, scale = make_input(K, dtype, device, f, mode)
+                paths = {
+                    "triton": lambda: mg.masked_gemv_triton(w_t, v, t, mode=mode, scale=scale),
+                    "dense_masked": lambda: mg.masked_gemv_dense(w_t, v, t, mode=mode, scale=scale),
+                }
+                ref = mg.masked_gemv_reference(w_t, v, t, mode=mode, scale=scale).float()
+                err = (paths["triton"]().float() - ref).abs().max().item() / max(ref.abs().max().item(), 1e-6)
+                line = [f"    f={f:<5} triton rel.err {err:.1e}"]
+                for tname in dense:
+                    for name, fn in paths.items():
+                        us = timings[tname](fn)
+                        records.append(dict(section="gpu", timing=tname, path=name, dtype=dname, K=K, N=N,
+                                            frac=f, us=us, dense_us=dense[tname], ratio=us / dense[tname],
+                                            rel_err=err if name == "triton" else None))
+                        line.append(f"{tname}/{name} x{us / dense[tname]:.2f}")
+                print("  ".join(line), flush=True)
+    return records
+
+
+# ----------------------------------------------------------------------------------- reports
+def _table(records, fracs, title_cols="dense µs"):
+    keys = []
+    for r in records:
+        k = (r["dtype"], r["K"], r["N"])
+        if k not in keys:
+            keys.append(k)
+    head = f"| dtype | K×N | {title_cols} | " + " | ".join(f"f={f:g}" for f in fracs) + " |"
+    lines = [head, "|" + "---|" * (3 + len(fracs))]
+    for dtype, K, N in keys:
+        rs = {r["frac"]: r for r in records if (r["dtype"], r["K"], r["N"]) == (dtype, K, N)}
+        any_r = next(iter(rs.values()))
+        cells = [f"{rs[f]['ratio']:.2f}" if f in rs else "–" for f in fracs]
+        lines.append(f"| {dtype} | {K}×{N} | {any_r['dense_us']:.1f} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def _env(device_name):
+    try:
+        import triton
+
+        tv = triton.__version__
+    except ImportError:
+        tv = "not installed"
+    return (f"- device: {device_name}\n- torch {torch.__version__}, triton {tv}, python {platform.python_version()}"
+            f"\n- date: {_dt.datetime.now().isoformat(timespec='seconds')}\n")
+
+
+def write_cpu(records, fracs, mode, out_dir, threads):
+    name = platform.processor() or platform.machine()
+    md = [
+        "# Masked GEMV on CPU: time relative to dense `v @ w_t` (batch 1)\n",
+        _env(f"CPU {name} ({os.cpu_count()} logical cores), timed with {threads} thread(s)"),
+        f"- mode `{mode}`, threshold a 0-dim tensor; f = fraction of the K inputs active (scattered).",
+        "- ratio = time of the path / time of dense `v @ w_t` on the same w_t and v, timed back to back;"
+        " median over interleaved rounds (per-round ratios and ranges in the .json); < 1 is faster."
+        " Timing: torch.utils.benchmark blocked_autorange medians. The dense µs column is the dense"
+        " median at the first f.",
+        f"- machine load average when written: {os.getloadavg()[0]:.1f} (a shared VM: absolute µs are noisy,"
+        " ratios less so)\n",
+        "## `masked_gemv_torch` (the batch-1 CPU path: embedding_bag over the active rows, dense above"
+        " `CPU_GATHER_MAX_FRACTION`)\n",
+        _table([r for r in records if r["path"] == "torch"], fracs),
+        "\n## `masked_gemv_dense` (mask then dense product: the batch>1 path, shown at batch 1)\n",
+        _table([r for r in records if r["path"] == "dense_masked"], fracs),
+        "",
+    ]
+    (out_dir / "kernels_cpu.md").write_text("\n".join(md))
+    (out_dir / "kernels_cpu.json").write_text(json.dumps(dict(mode=mode, records=records), indent=1))
+    print(f"wrote {out_dir / 'kernels_cpu.md'}")
+
+
+def write_gpu(records, fracs, mode, out_dir, device_name, stem="kernels_gpu"):
+    md = [
+        "# Masked GEMV on GPU: time relative to dense `v @ w_t` (batch 1)\n",
+        _env(device_name),
+        f"- mode `{mode}`, threshold a 0-dim device tensor; f = fraction of the K inputs active (scattered).",
+        "- ratio = median time of the path / median time of dense `v @ w_t` (cuBLAS) on the same w_t,"
+        " same run and timing method; < 1 is faster.",
+        "- eager: triton.testing.do_bench (L2 flushed, includes launch overhead: zero-init, kernel,"
+        " cast); graph: do_bench_cudagraph (no launch overhead, L2 warm).\n",
+    ]
+    errs = [r["rel_err"] for r in records if r.get("rel_err") is not None]
+    if errs:
+        md.append(f"- Triton vs fp32 reference: max relative error {max(errs):.1e}\n")
+    for timing in ("eager", "graph"):
+        for path, title in (("triton", "`masked_gemv_triton`"), ("dense_masked", "`masked_gemv_dense` (mask + cuBLAS)")):
+            rs = [r for r in records if r["timing"] == timing and r["path"] == path]
+            if rs:
+                md += [f"## {timing}: {title}\n", _table(rs, fracs), ""]
+    (out_dir / f"{stem}.md").write_text("\n".join(md))
+    (out_dir / f"{stem}.json").write_text(json.dumps(dict(mode=mode, device=device_name, records=records), indent=1))
+    print(f"wrote {out_dir / (stem + '.md')}")
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--skip-cpu", action="store_true")
+    p.add_argument("--skip-gpu", action="store_true")
+    p.add_argument("--quick", action="store_true", help="3 shapes, 3 fractions")
+    p.add_argument("--mode", default="abs", choices=list(mg.MODES))
+    p.add_argument("--cpu-dtypes", default="fp32,bf16,fp16")
+    p.add_argument("--gpu-dtypes", default="fp16,bf16")
+    p.add_argument("--min-run-time", type=float, default=0.1, help="CPU seconds per measurement")
+    p.add_argument("--rounds", type=int, default=5, help="CPU: interleaved dense/path rounds")
+    p.add_argument("--threads", type=int, default=1, help="CPU threads while timing (torch.utils.benchmark)")
+    p.add_argument("--no-graphs", action="store_true", help="skip the CUDA-graph timings")
+    p.add_argument("--out-dir", type=Path, default=ROOT / "benchmarks" / "results")
+    p.add_argument("--interpret-smoke", action="store_true", help=argparse.SUPPRESS)
+    a = p.parse_args(argv)
+    a.out_dir.mkdir(parents=True, exist_ok=True)
+    shapes, fracs = (SHAPES[:3], [0.1, 0.5, 1.0]) if a.quick else (SHAPES, FRACS)
+
+    if a.interpret_smoke:  # exercise the GPU section's code paths on CPU (timings meaningless)
+        recs = run_gpu([(40, 70), (70, 40)], [0.2, 1.0], ["fp16", "bf16"], a.mode, "cpu",
+                       lambda fn, graph: cpu_time_us(fn, 0.01), graphs=True)
+        write_gpu(recs, [0.2, 1.0], a.mode, a.out_dir, "CPU (TRITON_INTERPRET smoke)", stem="kernels_gpu_smoke")
+        return
+
+    if not a.skip_cpu:
+        recs = run_cpu(shapes, fracs, a.cpu_dtypes.split(","), a.mode, a.min_run_time, a.rounds, a.threads)
+        write_cpu(recs, fracs, a.mode, a.out_dir, a.threads)
+    if not a.skip_gpu:
+        if torch.cuda.is_available() and mg.triton_available():
+            if os.environ.get("TRITON_INTERPRET") == "1":
+                sys.exit("unset TRITON_INTERPRET to benchmark the GPU")
+            recs = run_gpu(shapes, fracs, a.gpu_dtypes.split(","), a.mode, "cuda", gpu_time_us,
+                           graphs=not a.no_graphs)
+            write_gpu(recs, fracs, a.mode, a.out_dir, torch.cuda.get_device_name())
+        else:
+            print("no CUDA/triton: GPU section skipped")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,94 @@
+"""`rana compress MODEL --flops F --out DIR`."""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Optional
+
+import typer
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.table import Table
+
+from .common import console, friendly
+from .common import out as stdout
+
+
+def plan_table(plan: dict) -> Table:
+    """One row per layer: what was done to QKV and to each MLP projection, and the errors."""
+    t = Table(title=f"{plan['method']} @ target {plan['target_flops']:.3f} → measured {plan['measured_flops']:.4f} of dense FLOPs",
+              show_lines=False)
+    for col in ("layer", "attention", "attn err", "mlp", "mlp split", "mlp err"):
+        t.add_column(col, justify="right" if col in ("layer", "attn err", "mlp err") else "left")
+
+    def describe(comps: dict) -> str:
+        parts = []
+        for name, c in comps.items():
+            active = c.get("measured_active", c.get("expected_active"))
+            if c["kind"] == "rank":
+                parts.append(f"{name} r={c['rank']} k̄={active:.0f}" if active is not None else f"{name} r={c['rank']}")
+            elif c["kind"] == "dense":
+                parts.append(f"{name} dense")
+            else:
+                parts.append(f"{name} k̄={active:.0f}/{c['in_features'] if c['kind'] != 'cats' else c['out_features']}")
+        return ", ".join(parts)
+
+    for entry in plan["layers"]:
+        att, mlp = entry.get("attention"), entry.get("mlp")
+        t.add_row(str(entry["layer"]),
+                  describe(att["components"]) if att else "dense", f"{att['heldout_error']:.4f}" if att else "-",
+                  describe(mlp["components"]) if mlp else "dense",
+                  "/".join(f"{s:.2f}" for s in mlp["shares"]) if mlp and mlp.get("shares") else "",
+                  f"{mlp['heldout_error']:.4f}" if mlp else "-")
+    return t
+
+
+def register(app: typer.Typer) -> None:
+    @app.command("compress")
+    @friendly
+    def compress(
+        model: str = typer.Argument(..., help="alias (smollm2-135m, llama2-7b, …), hub id, local folder or .gguf file"),
+        flops: float = typer.Option(0.58, "--flops", help="fraction of the dense model's per-token FLOPs to keep, in (0, 1]"),
+        out: Path = typer.Option(..., "--out", "-o", help="output folder (must not exist unless --overwrite)"),
+        method: str = typer.Option("rana", help="rana | rana-paper | cats | svd | teal"),
+        dataset: Optional[str] = typer.Option(None, help="calibration text: hub dataset name or local .txt/.jsonl/.parquet file or folder (default: bundled corpus)"),
+        dataset_config: Optional[str] = typer.Option(None, help="hub dataset config name"),
+        split: str = typer.Option("train", help="hub dataset split"),
+        text_column: str = typer.Option("text", help="text column for json/parquet/hub data"),
+        calib_tokens: int = typer.Option(32768, help="calibration tokens (fit + held-aside slice)"),
+        seq_len: int = typer.Option(512, help="calibration sequence length"),
+        batch_size: int = typer.Option(8, help="sequences per calibration forward"),
+        dtype: str = typer.Option("float32", help="float32 | bfloat16 | float16"),
+        device: str = typer.Option("cpu", help="compute device (cpu, cuda, cuda:1, …)"),
+        grid_step: float = typer.Option(0.125, help="MLP budget-split grid step (paper's grid search)"),
+        seed: int = typer.Option(0),
+        overwrite: bool = typer.Option(False, help="replace an existing --out folder"),
+    ) -> None:
+        """Compress a model with RaNA adapters to a model-level FLOP budget."""
+        from rana.compress import compress as run
+        from rana.config import CompressConfig
+        from rana.io import OutputExistsError, save
+
+        if out.exists() and not overwrite:
+            raise OutputExistsError(f"output folder '{out}' already exists; choose another --out or pass --overwrite")
+        if "." in out.name:
+            console.print(f"[yellow]note:[/] '{out.name}' contains a '.', which breaks `rana export` remote-code loading; "
+                          "prefer names without dots")
+        config = CompressConfig(model=model, flops=flops, method=method, dataset=dataset, dataset_config=dataset_config,
+                                split=split, text_column=text_column, calib_tokens=calib_tokens, seq_len=seq_len,
+                                batch_size=batch_size, dtype=dtype, device=device, grid_step=grid_step, seed=seed)
+        config.validate()
+        with Progress(TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+                      console=console, transient=False) as bar:
+            task = bar.add_task(f"compressing {model}", total=None)
+
+            def progress(_what: str, done: int, total: int) -> None:
+                bar.update(task, completed=done, total=total)
+
+            result = run(config, progress=progress)
+        save(result.model, result.tokenizer, out, plan=result.plan, overwrite=overwrite,
+             extra={"method": config.method, "compress_config": config.to_dict()})
+        stdout.print(plan_table(result.plan))
+        p = result.plan
+        stdout.print(f"target FLOPs {p['target_flops']:.3f}, measured {p['measured_flops']:.4f} on {p['measured_on']}; "
+                     f"wrote {out}/ (plan.json, rana_config.json, model.safetensors) in {p['wall_time_s']:.0f}s")
+        if abs(p["measured_flops"] - p["target_flops"]) > 0.01:
+            console.print("[yellow]warning:[/] measured FLOPs differ from the target by more than 0.01")

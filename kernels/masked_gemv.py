@@ -1,0 +1,316 @@
+"""Masked matrix-vector products for batch-1 decoding (RaNA / neuron thresholding / TEAL).
+
+    y = W[:, active] @ v[active]  (+ bias),      W: N x K (out x in)
+
+The weight is passed *transposed*: ``w_t`` is (K, N) row-major contiguous, so column k of W
+is the contiguous row ``w_t[k]`` and an inactive input skips one contiguous row entirely
+(the CATS / TEAL kernel layout). The mask is computed next to the product from a threshold
+that may live on the device (a 0-dim tensor), so the GPU path never syncs with the host:
+
+    mode="square"      active_k = v_k**2            >= t   (RaNA B-masker on the rank code)
+    mode="abs_scaled"  active_k = |v_k| * scale_k   >= t   (neuron thresholding, scale = ||W[:, k]||)
+    mode="abs"         active_k = |v_k|             >= t   (TEAL input sparsity)
+
+Scores and comparisons are done in fp32, products are accumulated in fp32 and the result is
+returned in v's dtype. ``threshold=None`` (or the float -inf) means "everything active".
+
+Entry points
+    masked_gemv            dispatcher: Triton for one token on CUDA, the torch fast path for one
+                           token elsewhere, a dense masked matmul for several tokens.
+    masked_gemv_triton     Triton kernel (CUDA, or CPU tensors under TRITON_INTERPRET=1).
+    masked_gemv_torch      fast torch path (CPU: gathered rows through embedding_bag).
+    masked_gemv_dense      ``(v * mask) @ w_t`` over any leading dims, sync-free on every device.
+    masked_gemv_reference  plain fp32 reference.
+
+This file is self-contained (torch + stdlib; triton imported lazily and optionally) so it can be
+copied next to an exported model and imported on machines without triton.
+"""
+from __future__ import annotations
+
+import functools
+import math
+import os
+
+import torch
+import torch.nn.functional as F
+
+__all__ = [
+    "masked_gemv",
+    "masked_gemv_dense",
+    "masked_gemv_reference",
+    "masked_gemv_torch",
+    "masked_gemv_triton",
+    "triton_available",
+    "MODES",
+]
+
+MODES = ("square", "abs_scaled", "abs")
+_MODE_ID = {"none": 0, "square": 1, "abs_scaled": 2, "abs": 3}
+
+# Torch fast path on CPU: gather the active rows (embedding_bag with per-sample weights, no
+# copy of the rows) while the active fraction is below this value, else the dense masked
+# product. Measured on a 2-core x86 VM (benchmarks/results/kernels_cpu.md): the fp32 crossover
+# is near 0.5-0.75; for fp16/bf16 embedding_bag beat the dense CPU GEMV even fully active.
+CPU_GATHER_MAX_FRACTION = {torch.float32: 0.5, torch.float16: 1.0, torch.bfloat16: 1.0}
+_BAG_OFFSETS = torch.zeros(1, dtype=torch.long)  # embedding_bag: a single bag starting at 0
+
+
+# --------------------------------------------------------------------------------------------
+# shared helpers
+# --------------------------------------------------------------------------------------------
+def _check(w_t: torch.Tensor, v: torch.Tensor, mode: str, threshold, scale) -> None:
+    if mode not in MODES:
+        raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
+    if w_t.dim() != 2:
+        raise ValueError(f"w_t must be 2-D (K, N), got shape {tuple(w_t.shape)}")
+    if v.dim() == 0 or v.shape[-1] != w_t.shape[0]:
+        raise ValueError(f"v's last dim must equal K={w_t.shape[0]}, got shape {tuple(v.shape)}")
+    if mode == "abs_scaled" and scale is None and not _all_active(threshold):
+        raise ValueError("mode='abs_scaled' needs scale (the column norms of W)")
+
+
+def _all_active(threshold) -> bool:
+    """None or a python -inf; a tensor threshold is never inspected (that would sync)."""
+    return threshold is None or (not isinstance(threshold, torch.Tensor) and float(threshold) == -math.inf)
+
+
+def _threshold_like(threshold, v: torch.Tensor):
+    """The threshold as an fp32 tensor on v's device, or a python float.
+
+    A host tensor next to accelerator inputs is read on the host: copying it to the device
+    from pageable memory would synchronise the stream, reading it does not.
+    """
+    if isinstance(threshold, torch.Tensor):
+        if threshold.device != v.device and threshold.device.type == "cpu":
+            return float(threshold)
+        if threshold.dim() == 0 and threshold.dtype == torch.float32 and threshold.device == v.device:
+            return threshold
+        return threshold.reshape(()).to(device=v.device, dtype=torch.float32)
+    return float(threshold)
+
+
+def _active_mask(v: torch.Tensor, threshold, mode: str, scale) -> torch.Tensor | None:
+    """Boolean mask with v's shape, or None for "everything active"."""
+    if _all_active(threshold):
+        return None
+    t = _threshold_like(threshold, v)
+    vf = v if v.dtype == torch.float32 else v.float()
+    if mode == "square":
+        score = vf * vf
+    elif mode == "abs":
+        score = vf.abs()
+    else:
+        score = vf.abs() * scale.to(device=v.device, dtype=torch.float32)
+    return score >= t
+
+
+def _out_shape(v: torch.Tensor, n: int) -> tuple:
+    return (*v.shape[:-1], n)
+
+
+# --------------------------------------------------------------------------------------------
+# reference and torch paths
+# --------------------------------------------------------------------------------------------
+def masked_gemv_reference(w_t, v, threshold, *, mode: str, scale=None, bias=None) -> torch.Tensor:
+    """fp32 reference: ``sum_k [active_k] v_k w_t[k, :] (+ bias)``, any leading dims of v."""
+    _check(w_t, v, mode, threshold, scale)
+    mask = _active_mask(v, threshold, mode, scale)
+    vf = v.float()
+    if mask is not None:
+        vf = torch.where(mask, vf, torch.zeros((), dtype=vf.dtype, device=vf.device))
+    y = vf @ w_t.float()
+    if bias is not None:
+        y = y + bias.float()
+    return y.to(v.dtype)
+
+
+def masked_gemv_dense(w_t, v, threshold, *, mode: str, scale=None, bias=None) -> torch.Tensor:
+    """``(v * mask) @ w_t (+ bias)`` over any leading dims: the batch>1 / prefill path.
+
+    No host sync on any device; the product runs in w_t's dtype (BLAS/cuBLAS accumulate fp32).
+    """
+    _check(w_t, v, mode, threshold, scale)
+    mask = _active_mask(v, threshold, mode, scale)
+    x = v if mask is None else torch.where(mask, v, 0.0)
+    return _matmul(x, w_t, bias).to(v.dtype).reshape(_out_shape(v, w_t.shape[1]))
+
+
+def _matmul(x: torch.Tensor, w_t: torch.Tensor, bias) -> torch.Tensor:
+    """x (..., K) @ w_t (K, N) [+ bias] as one GEMM (addmm adds the bias before rounding)."""
+    x = x.to(w_t.dtype)
+    if bias is None:
+        return x @ w_t
+    x2 = x.reshape(-1, w_t.shape[0])
+    return torch.addmm(bias.to(w_t.dtype).unsqueeze(0), x2, w_t)
+
+
+def masked_gemv_torch(w_t, v, threshold, *, mode: str, scale=None, bias=None) -> torch.Tensor:
+    """Fast torch path for one token on CPU.
+
+    The active rows are summed with ``F.embedding_bag(idx, w_t, per_sample_weights=v[idx])``,
+    which reads only the active rows of ``w_t`` (no gathered copy) and accumulates in fp32.
+    Above ``CPU_GATHER_MAX_FRACTION`` active rows it uses the dense masked product instead.
+    On other devices (where ``nonzero`` would sync) and for several tokens it is
+    :func:`masked_gemv_dense`.
+    """
+    _check(w_t, v, mode, threshold, scale)
+    K, N = w_t.shape
+    if v.device.type != "cpu" or w_t.device.type != "cpu" or v.numel() != K:
+        return masked_gemv_dense(w_t, v, threshold, mode=mode, scale=scale, bias=bias)
+    # every torch op costs microseconds here, comparable to a small GEMV: keep the op count low
+    v1 = v.reshape(K)
+    mask = _active_mask(v1, threshold, mode, scale)
+    idx = torch.arange(K) if mask is None else mask.nonzero().view(-1)
+    if idx.numel() > CPU_GATHER_MAX_FRACTION.get(w_t.dtype, 0.5) * K:
+        x = v1 if mask is None else torch.where(mask, v1, 0.0)
+        y = _matmul(x, w_t, bias)
+    else:
+        # one bag holding the active rows, weighted by v: sum_k v_k w_t[k, :] without a copy
+        y = F.embedding_bag(idx, w_t, _BAG_OFFSETS, mode="sum", per_sample_weights=v1[idx].to(w_t.dtype))
+        if bias is not None:
+            y = y.float() + bias.float()
+    return y.to(v.dtype).reshape(_out_shape(v, N))
+
+
+# --------------------------------------------------------------------------------------------
+# Triton kernel (built lazily so that TRITON_INTERPRET is read when first used)
+# --------------------------------------------------------------------------------------------
+@functools.lru_cache(maxsize=None)
+def _triton():
+    """(triton, tl) or None when triton is not importable."""
+    try:
+        import triton
+        import triton.language as tl
+    except ImportError:
+        return None
+    except Exception:  # a broken install must not break importing a model
+        return None
+    return triton, tl
+
+
+def triton_available() -> bool:
+    """True when triton imports (the kernel still needs CUDA tensors or TRITON_INTERPRET=1)."""
+    return _triton() is not None
+
+
+def _interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET") == "1"
+
+
+@functools.lru_cache(maxsize=None)
+def _build_kernel(interpret: bool):
+    triton, tl = _triton()
+
+    if interpret:  # the interpreter crashes when autotuning over several configs
+        configs = [triton.Config({"BLOCK_N": 64, "BLOCK_K": 16, "K_ITERS": 2})]
+    else:
+        configs = [
+            triton.Config({"BLOCK_N": bn, "BLOCK_K": bk, "K_ITERS": it}, num_warps=nw)
+            for bn, bk, it, nw in [
+                (64, 16, 1, 2), (64, 32, 1, 2), (64, 64, 1, 4), (64, 32, 4, 4),
+                (128, 16, 1, 4), (128, 32, 1, 4), (128, 64, 1, 4), (128, 32, 4, 4), (128, 16, 8, 4),
+                (128, 64, 4, 4), (256, 16, 1, 4), (256, 32, 1, 8), (256, 32, 4, 8), (256, 64, 2, 8),
+            ]
+        ]
+
+    @triton.autotune(configs=configs, key=["K", "N", "MODE"], reset_to_zero=["y_ptr"])
+    @triton.jit
+    def kernel(w_ptr, v_ptr, scale_ptr, t_ptr, bias_ptr, y_ptr, K, N, stride_wk,
+               MODE: tl.constexpr, T_IS_PTR: tl.constexpr, HAS_BIAS: tl.constexpr,
+               BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, K_ITERS: tl.constexpr):
+        # program (pid_n, pid_k): output columns [pid_n*BLOCK_N, +BLOCK_N) summed over the input
+        # rows [pid_k*BLOCK_K*K_ITERS, +BLOCK_K*K_ITERS); partial sums meet in y by atomic add.
+        pid_n = tl.program_id(0)
+        pid_k = tl.program_id(1)
+        offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        n_ok = offs_n < N
+        if T_IS_PTR:
+            t = tl.load(t_ptr).to(tl.float32)
+        else:
+            t = t_ptr
+        acc = tl.zeros([BLOCK_N], dtype=tl.float32)
+        k_start = pid_k * (BLOCK_K * K_ITERS)
+        for i in range(K_ITERS):
+            offs_k = k_start + i * BLOCK_K + tl.arange(0, BLOCK_K)
+            k_ok = offs_k < K
+            v = tl.load(v_ptr + offs_k, mask=k_ok, other=0.0).to(tl.float32)
+            if MODE == 1:
+                active = k_ok & (v * v >= t)
+            elif MODE == 2:
+                s = tl.load(scale_ptr + offs_k, mask=k_ok, other=0.0).to(tl.float32)
+                active = k_ok & (tl.abs(v) * s >= t)
+            elif MODE == 3:
+                active = k_ok & (tl.abs(v) >= t)
+            else:
+                active = k_ok
+            # inactive rows are masked out of the load: they cost no memory traffic
+            w_ptrs = w_ptr + offs_k[:, None].to(tl.int64) * stride_wk + offs_n[None, :]
+            w = tl.load(w_ptrs, mask=active[:, None] & n_ok[None, :], other=0.0)
+            v = tl.where(active, v, 0.0)
+            acc += tl.sum(w.to(tl.float32) * v[:, None], axis=0)
+        if HAS_BIAS:
+            if pid_k == 0:
+                acc += tl.load(bias_ptr + offs_n, mask=n_ok, other=0.0).to(tl.float32)
+        tl.atomic_add(y_ptr + offs_n, acc, mask=n_ok, sem="relaxed")
+
+    return kernel
+
+
+def masked_gemv_triton(w_t, v, threshold, *, mode: str, scale=None, bias=None) -> torch.Tensor:
+    """Triton masked GEMV for one token (v of shape (K,), (1, K) or (1, 1, K)).
+
+    Grid over (N blocks, K splits); each program computes the mask for its slice of v and reads
+    only the active rows of ``w_t``, accumulating in fp32; split-K partial sums are combined
+    with fp32 atomic adds into a zeroed buffer, cast to v's dtype at the end. No host sync:
+    a tensor threshold is read inside the kernel (a CPU tensor threshold with CUDA inputs is
+    read on the host instead, which does not sync the GPU either).
+    """
+    _check(w_t, v, mode, threshold, scale)
+    if _triton() is None:
+        raise RuntimeError("triton is not installed")
+    K, N = w_t.shape
+    if v.numel() != K:
+        raise ValueError(f"masked_gemv_triton handles one token, got v of shape {tuple(v.shape)}")
+    if not _interpreting() and not (v.is_cuda and w_t.is_cuda):
+        raise ValueError("masked_gemv_triton needs CUDA tensors (or TRITON_INTERPRET=1)")
+    triton = _triton()[0]
+    if w_t.stride(1) != 1:
+        w_t = w_t.contiguous()  # a copy per call: store w_t row-major contiguous instead
+    v1 = v.reshape(K).contiguous()
+
+    if _all_active(threshold):
+        mode_id, t_arg, t_is_ptr = 0, 0.0, False
+    else:
+        mode_id = _MODE_ID[mode]
+        if isinstance(threshold, torch.Tensor) and threshold.device == v1.device:
+            t_arg, t_is_ptr = threshold.reshape(()), True
+        else:  # python float, or a host tensor next to CUDA inputs (no GPU sync)
+            t_arg, t_is_ptr = float(threshold), False
+    scale_arg = v1 if scale is None or mode_id != 2 else scale.reshape(K).contiguous()
+    bias_arg = v1 if bias is None else bias.reshape(N).contiguous()
+
+    y = torch.zeros(N, dtype=torch.float32, device=v1.device)
+    grid = lambda meta: (triton.cdiv(N, meta["BLOCK_N"]), triton.cdiv(K, meta["BLOCK_K"] * meta["K_ITERS"]))
+    _build_kernel(_interpreting())[grid](
+        w_t, v1, scale_arg, t_arg, bias_arg, y, K, N, w_t.stride(0),
+        MODE=mode_id, T_IS_PTR=t_is_ptr, HAS_BIAS=bias is not None,
+    )
+    return y.to(v.dtype).reshape(_out_shape(v, N))
+
+
+# --------------------------------------------------------------------------------------------
+# dispatcher
+# --------------------------------------------------------------------------------------------
+def masked_gemv(w_t, v, threshold, *, mode: str, scale=None, bias=None) -> torch.Tensor:
+    """Masked ``v @ w_t`` choosing the fastest path for where the tensors are.
+
+    * one token on CUDA with triton importable  -> :func:`masked_gemv_triton`
+    * one token otherwise                        -> :func:`masked_gemv_torch` (CPU gather path;
+      on a GPU without triton it reduces to the dense masked product, no sync)
+    * several tokens (batch > 1, prefill)        -> :func:`masked_gemv_dense`
+    """
+    if w_t.dim() != 2 or v.numel() != w_t.shape[0]:
+        return masked_gemv_dense(w_t, v, threshold, mode=mode, scale=scale, bias=bias)
+    if v.is_cuda and w_t.is_cuda and triton_available():
+        return masked_gemv_triton(w_t, v, threshold, mode=mode, scale=scale, bias=bias)
+    return masked_gemv_torch(w_t, v, threshold, mode=mode, scale=scale, bias=bias)

@@ -1,0 +1,104 @@
+"""Model-level FLOP accounting: analytic dense cost from the config, measured cost from meters."""
+from __future__ import annotations
+
+from contextlib import contextmanager
+from typing import Iterator
+
+import torch.nn as nn
+
+from .archs import ArchSpec, get_arch
+from .math.flops import LayerDims, dense_layer_macs, dense_model_macs
+from .modules.common import MacMeter
+
+ATTENTION_PARTS = ("q", "k", "v", "o", "attn_products")
+MLP_PARTS = ("up", "gate", "down")
+
+
+def layer_dims(config, spec: ArchSpec | None = None) -> list[LayerDims]:
+    """Per-layer dimensions read from a HF config (sliding-window layers included)."""
+    spec = spec or get_arch(config)
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    n_heads = text.num_attention_heads
+    head_dim = getattr(text, "head_dim", None) or text.hidden_size // n_heads
+    n_kv = getattr(text, "num_key_value_heads", None) or n_heads
+    inter = getattr(text, "intermediate_size", None) or 4 * text.hidden_size
+    layer_types = getattr(text, "layer_types", None)
+    window = getattr(text, "sliding_window", None)
+    if getattr(text, "use_sliding_window", True) is False:
+        window = None
+    dims = []
+    for idx in range(text.num_hidden_layers):
+        sliding = window
+        if layer_types is not None:
+            sliding = window if layer_types[idx] == "sliding_attention" else None
+        dims.append(LayerDims(hidden=text.hidden_size, q_out=n_heads * head_dim, kv_out=n_kv * head_dim,
+                              intermediate=inter, gated=spec.gated, n_heads=n_heads, head_dim=head_dim,
+                              sliding_window=sliding))
+    return dims
+
+
+def dense_macs(config, seq_len: int = 512) -> dict[str, float]:
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    return dense_model_macs(layer_dims(config), text.vocab_size, seq_len)
+
+
+def dense_macs_per_layer(config, seq_len: int = 512) -> list[dict[str, float]]:
+    return [dense_layer_macs(d, seq_len) for d in layer_dims(config)]
+
+
+def metered_modules(model: nn.Module) -> dict[str, MacMeter]:
+    return {name: m for name, m in model.named_modules() if isinstance(m, MacMeter)}
+
+
+@contextmanager
+def metering(model: nn.Module) -> Iterator[dict[str, MacMeter]]:
+    """Switch every meter on (reset) for the duration of the block."""
+    meters = metered_modules(model)
+    for m in meters.values():
+        m.reset_meter()
+        m.meter_on = True
+    try:
+        yield meters
+    finally:
+        for m in meters.values():
+            m.meter_on = False
+
+
+def _part_of(name: str, spec: ArchSpec) -> str:
+    return "attention" if f".{spec.attn}." in f".{name}." else ("mlp" if f".{spec.mlp}." in f".{name}." else "other")
+
+
+def measured_macs(model: nn.Module, seq_len: int = 512) -> dict:
+    """Per-token MACs the model spent on the tokens seen while metering, vs dense.
+
+    Dense parts are counted analytically; each metered module replaces its dense cost by the
+    cost of what its masks actually kept.
+    """
+    config = model.config
+    spec = get_arch(config)
+    dense = dense_macs(config, seq_len)
+    parts = {
+        "attention": sum(dense[k] for k in ATTENTION_PARTS),
+        "mlp": sum(dense[k] for k in MLP_PARTS),
+        "other": dense["lm_head"],
+    }
+    measured = dict(parts)
+    modules = {}
+    for name, m in metered_modules(model).items():
+        if not m._tokens:
+            continue
+        saved = m.macs_dense - m.measured_macs()
+        measured[_part_of(name, spec)] -= saved
+        modules[name] = {"dense_macs": m.macs_dense, "measured_macs": m.measured_macs(), "mean_active": m.mean_active()}
+    total = sum(measured.values())
+    return {
+        "dense_macs": dense["total"],
+        "measured_macs": total,
+        "fraction": total / dense["total"],
+        "gflops_per_token": 2 * total / 1e9,
+        "dense_gflops_per_token": 2 * dense["total"] / 1e9,
+        "by_part": {k: {"measured_macs": measured[k], "dense_macs": parts[k],
+                        "fraction_of_part": measured[k] / parts[k] if parts[k] else 1.0} for k in parts},
+        "modules": modules,
+        "seq_len_for_attention": seq_len,
+    }

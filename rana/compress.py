@@ -1,0 +1,160 @@
+"""`rana compress`: the layer-by-layer loop (design.md): capture → statistics → search → swap
+→ push the calibration activations through the compressed layer to feed the next."""
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+import torch.nn as nn
+
+from .accounting import dense_macs, dense_macs_per_layer, measured_macs, metered_modules
+from .archs import decoder_layers, get_arch
+from .calibrate import LayerInputs, capture_first_layer_inputs, collect_inputs, run_layer
+from .config import CompressConfig
+from .loading import DTYPES, load_model
+from .math.flops import adapted_fraction
+from .methods import LayerContext, Method, _qkv_modules, _relative_error, get_method, role_path
+
+
+class BudgetError(ValueError):
+    """A FLOP target the method cannot reach on this model (user-facing)."""
+
+
+@dataclass
+class CompressResult:
+    model: nn.Module
+    tokenizer: object
+    plan: dict
+
+
+def budget_for(model_config, method: Method, target: float, seq_len: int) -> tuple[float, dict]:
+    """The fraction of the adapted parts' dense cost that makes the whole model spend `target`."""
+    dense = dense_macs(model_config, seq_len)
+    per_layer = dense_macs_per_layer(model_config, seq_len)
+    adapted = sum(d[p] for d in per_layer for p in method.adapted_parts)
+    f = adapted_fraction(target, dense["total"], adapted)
+    floor = (dense["total"] - adapted * (1 - method.min_fraction)) / dense["total"]
+    if f < method.min_fraction or f <= 0:
+        raise BudgetError(
+            f"--flops {target} is below what method '{method.name}' can reach on this model: the parts it does not "
+            f"adapt already cost {(dense['total'] - adapted) / dense['total']:.3f} of the dense FLOPs; use --flops ≥ {math.ceil(floor * 1000) / 1000:.3f}")
+    return min(f, 1.0), {"dense_macs": dense, "adapted_dense_macs": adapted, "unadapted_dense_macs": dense["total"] - adapted}
+
+
+def _module_outputs(modules: list[nn.Module], x: torch.Tensor) -> torch.Tensor:
+    return torch.cat([m(x) for m in modules], dim=-1)
+
+
+@torch.no_grad()
+def _step_error(ctx: LayerContext, step_name: str, stats, device) -> Callable[[], float]:
+    """Snapshot the dense outputs of the step's block on held-aside inputs; return a function
+    that measures the compressed block's relative output error on the same inputs."""
+    if step_name == "attention":
+        x = stats["qkv_in"].eval[: ctx.search_tokens * 2].to(device)
+        ref = _module_outputs([m for _, m in _qkv_modules(ctx)], x)
+        return lambda: _relative_error(ref, _module_outputs([m for _, m in _qkv_modules(ctx)], x))
+    mlp = ctx.module(ctx.spec.mlp)
+    x = stats["mlp_in"].eval[: ctx.search_tokens * 2].to(device)
+    ref = mlp(x)
+    return lambda: _relative_error(ref, mlp(x))
+
+
+@torch.no_grad()
+def compress_model(model: nn.Module, tokenizer, config: CompressConfig, calibration,
+                   progress: Callable[[str, int, int], None] | None = None) -> CompressResult:
+    """Compress `model` in place with calibration sequences (`calibration.fit`, `.heldout`)."""
+    config.validate()
+    spec = get_arch(model.config)
+    method = get_method(config.method)
+    fraction, budget_info = budget_for(model.config, method, config.flops, config.seq_len)
+    device, offload = torch.device(config.device), torch.device(config.offload_device)
+    layers = decoder_layers(model, spec)
+    for name, child in model.named_children():  # everything but the decoder stack on the device
+        child.to(device)
+    layers.to(offload)
+    dtype = DTYPES[config.dtype]
+    t0 = time.perf_counter()
+    fit = capture_first_layer_inputs(model, spec, calibration.fit, batch_size=config.batch_size, device=device, offload=offload)
+    held = capture_first_layer_inputs(model, spec, calibration.heldout, batch_size=config.batch_size, device=device, offload=offload)
+    layer_plans = []
+    for idx, layer in enumerate(layers):
+        layer.to(device)
+        ctx = LayerContext(index=idx, layer=layer, spec=spec, fraction=fraction, fit_sample_tokens=config.fit_sample_tokens,
+                           search_tokens=config.search_tokens, grid_step=config.grid_step, dtype=dtype)
+        entry = {"layer": idx}
+        for step, step_name in zip(method.steps if fraction < 1.0 else [], _step_names(method)):
+            targets = {role: layer.get_submodule(role_path(spec, role)) for role in step.targets}
+            stats = collect_inputs(layer, fit, held, targets, device=device, stop_at=targets[step.stop],
+                                   second_moment=step.moments, fit_sample_tokens=config.fit_sample_tokens, layer_index=idx)
+            measure = _step_error(ctx, step_name, stats, device)
+            result = step.apply(ctx, stats)
+            result["heldout_error"] = measure()
+            entry[step_name] = result
+            del stats
+        for m in metered_modules(layer).values():  # measure masks on held-aside tokens as they flow
+            m.reset_meter()
+            m.meter_on = True
+        held = run_layer(layer, held, device=device, offload=offload)
+        for m in metered_modules(layer).values():
+            m.meter_on = False
+        fit = run_layer(layer, fit, device=device, offload=offload)
+        layer.to(offload)
+        layer_plans.append(entry)
+        if progress:
+            progress("layers", idx + 1, len(layers))
+    measured = measured_macs(model, config.seq_len)
+    _attach_measurements(layer_plans, spec.layers, measured["modules"])
+    plan = {
+        "method": method.name,
+        "method_description": method.description,
+        "target_flops": config.flops,
+        "adapted_fraction": fraction,
+        "measured_flops": measured["fraction"],
+        "measured_on": f"{held.tokens} held-aside calibration tokens (not used to fit thresholds)",
+        "measured": {k: v for k, v in measured.items() if k != "modules"},
+        "budget": budget_info,
+        "config": config.to_dict(),
+        "wall_time_s": time.perf_counter() - t0,
+        "layers": layer_plans,
+    }
+    model.to(device)
+    return CompressResult(model=model, tokenizer=tokenizer, plan=plan)
+
+
+def _step_names(method: Method) -> list[str]:
+    return ["attention", "mlp"] if len(method.steps) == 2 else ["mlp"]
+
+
+def _attach_measurements(layer_plans: list[dict], layers_path: str, modules: dict) -> None:
+    """Copy measured active counts / MACs into the plan entries of the modules that took them."""
+    by_path = {}
+    for entry in layer_plans:
+        for step in ("attention", "mlp"):
+            for comp in entry.get(step, {}).get("components", {}).values():
+                if "path" in comp:
+                    by_path[f"{layers_path}.{entry['layer']}.{comp['path']}"] = comp
+    for name, m in modules.items():
+        if name in by_path:
+            by_path[name]["measured_active"] = m["mean_active"]
+            by_path[name]["measured_macs"] = m["measured_macs"]
+
+
+def compress(config: CompressConfig, progress: Callable[[str, int, int], None] | None = None) -> CompressResult:
+    """Load the model and calibration data named by `config`, then compress."""
+    from .data import calibration_batches, load_texts, tokenize_stream
+
+    config.validate()
+    model, tokenizer, _ = load_model(config.model, dtype=config.dtype, device="cpu")
+    get_arch(model.config)  # fail fast on unsupported architectures
+    get_method(config.method)
+    budget_for(model.config, get_method(config.method), config.flops, config.seq_len)
+    texts = load_texts(config.dataset, config=config.dataset_config, split=config.split, text_column=config.text_column)
+    tokens = tokenize_stream(texts, tokenizer)
+    calibration = calibration_batches(tokens, n_tokens=config.calib_tokens, seq_len=config.seq_len,
+                                      heldout_fraction=config.heldout_fraction, seed=config.seed)
+    result = compress_model(model, tokenizer, config, calibration, progress=progress)
+    result.plan["model"] = config.model
+    return result

@@ -1,0 +1,55 @@
+"""Versioned, JSON round-trippable settings shared by the CLI, plan.json and saved models."""
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, fields
+from pathlib import Path
+
+FORMAT_VERSION = 1
+METHODS = ("rana", "rana-paper", "cats", "svd", "teal")
+
+
+@dataclass
+class CompressConfig:
+    model: str
+    flops: float = 0.58
+    method: str = "rana"
+    dataset: str | None = None
+    dataset_config: str | None = None
+    split: str = "train"
+    text_column: str = "text"
+    calib_tokens: int = 32768
+    seq_len: int = 512
+    heldout_fraction: float = 0.125
+    batch_size: int = 8
+    dtype: str = "float32"
+    device: str = "cpu"
+    offload_device: str = "cpu"
+    grid_step: float = 0.125
+    fit_sample_tokens: int = 4096
+    search_tokens: int = 2048
+    seed: int = 0
+
+    def validate(self) -> None:
+        if not 0.0 < self.flops <= 1.0:
+            raise ValueError(f"--flops must be in (0, 1], got {self.flops}: it is the fraction of the dense model's FLOPs to keep")
+        if self.method not in METHODS:
+            raise ValueError(f"unknown method '{self.method}' (choose from {', '.join(METHODS)})")
+        if self.seq_len < 8:
+            raise ValueError(f"--seq-len must be at least 8, got {self.seq_len}")
+        if self.calib_tokens < 2 * self.seq_len:
+            raise ValueError(f"--calib-tokens ({self.calib_tokens}) must be at least two sequences (2 × --seq-len = {2 * self.seq_len})")
+        if not 0.0 < self.heldout_fraction < 1.0:
+            raise ValueError("heldout fraction must be in (0, 1)")
+
+    def to_dict(self) -> dict:
+        return {"format_version": FORMAT_VERSION, **asdict(self)}
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "CompressConfig":
+        names = {f.name for f in fields(cls)}
+        return cls(**{k: v for k, v in d.items() if k in names})
+
+
+def write_json(path: Path, obj) -> None:
+    path.write_text(json.dumps(obj, indent=2, default=float) + "\n")

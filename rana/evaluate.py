@@ -1,0 +1,307 @@
+"""Quality and speed measurements: perplexity, lm-evaluation-harness tasks, decode latency.
+
+Perplexity follows the common GPTQ/SparseGPT protocol so numbers compare across papers:
+the documents of a held-out set joined into one stream, cut into non-overlapping windows
+(incomplete tail dropped), mean NLL over every token of each window except the first.
+"""
+from __future__ import annotations
+
+import json
+import re
+import statistics
+import tempfile
+import time
+from collections.abc import Callable, Sequence
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from rana.data import DataError, eval_windows
+
+TASKS_DIR = Path(__file__).parent / "tasks"
+LOCAL_TASKS = ("hellaswag_local", "lambada_openai_local")
+DEFAULT_PROMPT = "The history of the Python programming language begins in the late 1980s, when"
+_DATA_DIR_RE = re.compile(r"__DATA_DIR__/(\S+)")
+
+
+# --------------------------------------------------------------------------- helpers
+
+
+def _device(model: torch.nn.Module) -> torch.device:
+    """Where inputs must go: the device of the model's first parameter (input embeddings)."""
+    return next(model.parameters()).device
+
+
+@contextmanager
+def _eval_mode(model: torch.nn.Module):
+    """Run in eval mode (no dropout) and restore the caller's train/eval state afterwards."""
+    was_training = model.training
+    model.eval()
+    try:
+        yield model
+    finally:
+        model.train(was_training)
+
+
+# --------------------------------------------------------------------------- perplexity
+
+
+def window_nll(logits: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:
+    """Summed NLL of tokens 1.. of each window given (B, T, V) logits; float32 log-softmax."""
+    total = torch.zeros((), dtype=torch.float64, device=logits.device)
+    for row_logits, row_ids in zip(logits, input_ids):  # one row at a time bounds float32 memory
+        total += F.cross_entropy(row_logits[:-1].float(), row_ids[1:], reduction="sum").double()
+    return total
+
+
+def perplexity(
+    model: torch.nn.Module,
+    tokens: torch.Tensor,
+    *,
+    seq_len: int = 512,
+    batch_size: int = 4,
+    progress: bool = True,
+    on_batch: Callable[[torch.Tensor], None] | None = None,
+) -> dict[str, Any]:
+    """Perplexity of any HF causal LM on a 1-D token stream (see module docstring).
+
+    `on_batch(input_ids)` is called after each forward pass, e.g. to tally FLOPs or
+    tokens; any hooks or meters the caller has enabled on the model stay active.
+    """
+    windows = eval_windows(tokens, seq_len)
+    device = _device(model)
+    total_nll = 0.0
+    from rich.progress import Progress
+
+    with _eval_mode(model), torch.inference_mode(), Progress(disable=not progress, transient=True) as bar:
+        job = bar.add_task(f"perplexity ({len(windows)}×{seq_len})", total=len(windows))
+        for start in range(0, len(windows), batch_size):
+            batch = windows[start : start + batch_size].to(device)
+            logits = model(input_ids=batch, use_cache=False).logits
+            total_nll += float(window_nll(logits, batch))
+            if on_batch is not None:
+                on_batch(batch)
+            bar.advance(job, len(batch))
+    n_pred = len(windows) * (seq_len - 1)
+    nll = total_nll / n_pred
+    return {
+        "ppl": float(torch.tensor(nll).exp()),
+        "nll": nll,
+        "tokens": n_pred,
+        "windows": len(windows),
+        "seq_len": seq_len,
+        "protocol": (
+            f"non-overlapping {seq_len}-token windows of the joined stream (tail dropped); "
+            f"mean NLL over all tokens but the first of each window"
+        ),
+    }
+
+
+# --------------------------------------------------------------------------- lm-eval
+
+
+def write_local_tasks(dest_dir: str | Path, data_dir: str | Path) -> Path:
+    """Render the bundled task templates into `dest_dir` with absolute data-file paths.
+
+    lm-eval resolves `data_files` against the working directory, not the YAML, so the
+    templates in `rana/tasks/` carry a `__DATA_DIR__` placeholder that this fills in
+    (`data_dir` is a folder holding `eval/hellaswag_validation.jsonl` etc.). Returns
+    `dest_dir`, ready for `TaskManager(include_path=...)`.
+    """
+    data_dir = Path(data_dir).expanduser().resolve()
+    dest = Path(dest_dir)
+    dest.mkdir(parents=True, exist_ok=True)
+    missing: list[str] = []
+
+    def fill(match: re.Match) -> str:
+        path = data_dir / match.group(1)
+        if not path.is_file():
+            missing.append(str(path))
+        return json.dumps(str(path))  # a JSON string is a valid YAML scalar, whatever the path
+
+    for template in sorted(TASKS_DIR.glob("*.yaml")):
+        (dest / template.name).write_text(_DATA_DIR_RE.sub(fill, template.read_text()))
+    if missing:
+        raise DataError(f"evaluation data not found: {', '.join(missing)}; pass the folder that holds eval/")
+    return dest
+
+
+def _clean_metrics(task_results: dict[str, Any]) -> dict[str, float]:
+    """lm-eval's {'acc,none': x, 'alias': ...} → {'acc': x}; non-default filters keep their suffix."""
+    out: dict[str, float] = {}
+    for key, value in task_results.items():
+        if key == "alias" or not isinstance(value, (int, float)):
+            continue
+        out[key.removesuffix(",none")] = float(value)
+    return out
+
+
+def lm_eval_tasks(
+    model: torch.nn.Module,
+    tokenizer,
+    tasks: Sequence[str],
+    *,
+    include_path: str | Path | None = None,
+    data_dir: str | Path | None = None,
+    limit: int | float | None = None,
+    batch_size: int = 1,
+    num_fewshot: int = 0,
+    bootstrap_iters: int = 1000,
+) -> dict[str, dict[str, float]]:
+    """Run lm-evaluation-harness tasks on an in-memory model; returns task → metrics.
+
+    `data_dir` renders the bundled `*_local` tasks (see `write_local_tasks`) so they run
+    offline; `include_path` adds any other folder of task YAMLs. `bootstrap_iters` only
+    sets the precision of the reported stderr (lm-eval's CLI default, 100000, is slow for
+    perplexity metrics and changes no score).
+    """
+    try:
+        import lm_eval
+        from lm_eval.models.huggingface import HFLM
+        from lm_eval.tasks import TaskManager
+    except ImportError as exc:  # lm-eval is an optional extra
+        raise ImportError("lm-eval is not installed; pip install 'rana[eval]'") from exc
+
+    with tempfile.TemporaryDirectory(prefix="rana_tasks_") as tmp, _eval_mode(model):
+        paths = [str(p) for p in (include_path,) if p is not None]
+        if data_dir is not None:
+            paths.append(str(write_local_tasks(tmp, data_dir)))
+        manager = TaskManager(include_path=paths or None)
+        lm = HFLM(pretrained=model, tokenizer=tokenizer, batch_size=batch_size)
+        results = lm_eval.simple_evaluate(
+            model=lm,
+            tasks=list(tasks),
+            num_fewshot=num_fewshot,
+            limit=limit,
+            task_manager=manager,
+            bootstrap_iters=bootstrap_iters,
+            log_samples=False,
+        )
+    return {task: _clean_metrics(metrics) for task, metrics in results["results"].items()}
+
+
+# --------------------------------------------------------------------------- latency
+
+
+def _prompt_ids(tokenizer_or_ids, prompt: str) -> torch.Tensor:
+    """A (1, T) prompt, from token ids or by tokenising `prompt`."""
+    if isinstance(tokenizer_or_ids, torch.Tensor):
+        ids = tokenizer_or_ids
+    else:
+        ids = tokenizer_or_ids(prompt, return_tensors="pt")["input_ids"]
+    return ids.reshape(1, -1).long()
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _time_generate(model: torch.nn.Module, ids: torch.Tensor, new_tokens: int) -> float:
+    """Seconds for one batch-1 greedy generate of exactly `new_tokens` tokens."""
+    from transformers import GenerationConfig
+
+    base = model.generation_config
+    eos = base.eos_token_id
+    config = GenerationConfig(
+        do_sample=False,
+        use_cache=True,
+        min_new_tokens=new_tokens,  # with max, forces a fixed length (EOS is suppressed)
+        max_new_tokens=new_tokens,
+        eos_token_id=eos,
+        pad_token_id=base.pad_token_id if base.pad_token_id is not None else (eos if isinstance(eos, int) else 0),
+    )
+    device = ids.device
+    _sync(device)
+    start = time.perf_counter()
+    model.generate(ids, attention_mask=torch.ones_like(ids), generation_config=config)
+    _sync(device)
+    return time.perf_counter() - start
+
+
+def _measure(models: Sequence[torch.nn.Module], ids: torch.Tensor, new_tokens: int, warmup: int, repeats: int) -> list[dict[str, Any]]:
+    """Interleave timings of several models so drift (clocks, thermals) hits all alike."""
+    full: list[list[float]] = [[] for _ in models]
+    prefill: list[list[float]] = [[] for _ in models]
+    with torch.inference_mode():
+        for step in range(warmup + repeats):
+            for i, model in enumerate(models):
+                model_ids = ids.to(_device(model))
+                with _eval_mode(model):
+                    t_full = _time_generate(model, model_ids, new_tokens)
+                    t_prefill = _time_generate(model, model_ids, 1)
+                if step >= warmup:
+                    full[i].append(t_full)
+                    prefill[i].append(t_prefill)
+    return [_summary(f, p, new_tokens, ids.shape[1], _device(m)) for f, p, m in zip(full, prefill, models)]
+
+
+def _summary(
+    full: list[float], prefill: list[float], new_tokens: int, prompt_tokens: int, device: torch.device
+) -> dict[str, Any]:
+    """Median timings → tokens/s overall and for the decode steps alone (prefill removed)."""
+    t_full, t_prefill = statistics.median(full), statistics.median(prefill)
+    decode = t_full - t_prefill
+    return {
+        "tokens_per_s": new_tokens / t_full,
+        "decode_tokens_per_s": (new_tokens - 1) / decode if decode > 0 and new_tokens > 1 else float("nan"),
+        "seconds": t_full,
+        "prefill_seconds": t_prefill,
+        "new_tokens": new_tokens,
+        "prompt_tokens": int(prompt_tokens),
+        "repeats": len(full),
+        "device": str(device),
+    }
+
+
+def decode_latency(
+    model: torch.nn.Module,
+    tokenizer_or_prompt_ids,
+    *,
+    prompt: str = DEFAULT_PROMPT,
+    new_tokens: int = 64,
+    warmup: int = 2,
+    repeats: int = 5,
+) -> dict[str, Any]:
+    """Batch-1 greedy generation speed (median of `repeats` after `warmup` runs).
+
+    `tokens_per_s` is end to end (prefill + `new_tokens` steps); `decode_tokens_per_s`
+    subtracts a 1-token generate to isolate the per-token decode cost.
+    """
+    ids = _prompt_ids(tokenizer_or_prompt_ids, prompt)
+    return _measure([model], ids, new_tokens, warmup, repeats)[0]
+
+
+def latency_ratio(
+    model: torch.nn.Module,
+    dense_model: torch.nn.Module,
+    tokenizer_or_prompt_ids,
+    *,
+    prompt: str = DEFAULT_PROMPT,
+    new_tokens: int = 64,
+    warmup: int = 2,
+    repeats: int = 5,
+) -> dict[str, Any]:
+    """Compressed vs dense decode speed, timed interleaved in the same run.
+
+    `latency_ratio` = compressed / dense seconds per generated token (< 1 is faster);
+    `speedup` is its inverse. The `decode_` variants exclude prefill.
+    """
+    ids = _prompt_ids(tokenizer_or_prompt_ids, prompt)
+    ours, dense = _measure([model, dense_model], ids, new_tokens, warmup, repeats)
+    ratio = dense["tokens_per_s"] / ours["tokens_per_s"]
+    decode_ratio = dense["decode_tokens_per_s"] / ours["decode_tokens_per_s"]
+    return {
+        "tokens_per_s": ours["tokens_per_s"],
+        "dense_tokens_per_s": dense["tokens_per_s"],
+        "latency_ratio": ratio,
+        "speedup": 1.0 / ratio,
+        "decode_tokens_per_s": ours["decode_tokens_per_s"],
+        "dense_decode_tokens_per_s": dense["decode_tokens_per_s"],
+        "decode_latency_ratio": decode_ratio,
+        "model": ours,
+        "dense": dense,
+    }

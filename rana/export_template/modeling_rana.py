@@ -1,0 +1,79 @@
+"""A RaNA-compressed model written by `rana export` (template rendered at export time).
+
+The class is the stock ``*ForCausalLM`` of the source architecture. Its ``__init__`` builds the
+stock model, then swaps in empty RaNA adapters of the shapes recorded in ``config.rana_adapters``
+at the recorded module paths (and adds LAuReL residuals when ``config.rana_laurel`` is set), so
+``from_pretrained`` loads every weight, threshold and LAuReL parameter by its ordinary state-dict
+key. The adapter modules (``rank_linear.py``, ``neuron_linear.py``, ``cats.py``, ``common.py``),
+the masked-GEMV kernels (``masked_gemv.py``) and LAuReL (``laurel.py``) are copies of the `rana`
+package's own sources, shipped next to this file.
+
+    from transformers import AutoModelForCausalLM
+    model = AutoModelForCausalLM.from_pretrained(folder, trust_remote_code=True)
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn as nn
+from transformers import PreTrainedModel as _StockForCausalLM  # rana:stock-model-import
+
+from .archspec import SPEC, set_submodule
+from .cats import CatsActivation
+from .configuration_rana import RanaConfig
+from .laurel import LaurelConfig, apply_laurel
+from .neuron_linear import InputSparseLinear, NeuronThresholdLinear
+from .rank_linear import RankAdapterLinear, RankSliceLinear, SharedRankCode
+
+RANA_CONFIG = "config.json (rana_adapters)"  # named in install_empty_adapters' error message
+
+# rana:install-empty-adapters
+
+_LINEAR_CHILDREN = {
+    RankAdapterLinear: ("A", "B"),
+    SharedRankCode: ("B",),
+    RankSliceLinear: ("A",),
+    NeuronThresholdLinear: ("linear",),
+    InputSparseLinear: ("linear",),
+}
+
+
+class RanaForCausalLM(_StockForCausalLM):
+    config_class = RanaConfig
+
+    def __init__(self, config, *args, **kwargs):
+        super().__init__(config, *args, **kwargs)
+        ref = next(self.parameters())
+        install_empty_adapters(self, list(config.rana_adapters or []), ref.dtype)
+        if config.rana_laurel:
+            apply_laurel(self, LaurelConfig.from_dict(dict(config.rana_laurel)), spec=SPEC)
+
+    @classmethod
+    def from_pretrained(cls, *args, **kwargs):
+        loaded = super().from_pretrained(*args, **kwargs)
+        (loaded[0] if isinstance(loaded, tuple) else loaded).rana_finalize()
+        return loaded
+
+    @torch.no_grad()
+    def rana_finalize(self):
+        """After loading weights: store adapter weights column-major again and refresh column norms.
+
+        The loader may replace parameters by row-major tensors; the batch-1 masked GEMV reads
+        ``weight.t()`` row by row, so it is made contiguous here once instead of on every call.
+        Thresholds are kept in float32, whatever dtype the model was loaded in.
+        """
+        for module in self.modules():
+            for name in _LINEAR_CHILDREN.get(type(module), ()):
+                linear = getattr(module, name)
+                if type(linear) is nn.Linear and not linear.weight.t().is_contiguous():
+                    linear.weight.data = linear.weight.data.t().contiguous().t()
+            for name, buf in list(module.named_buffers(recurse=False)):
+                if name in ("threshold", "column_norms") and buf is not None and buf.dtype != torch.float32:
+                    setattr(module, name, buf.float())
+            if isinstance(module, NeuronThresholdLinear):
+                module.refresh_norms()
+        return self
+
+
+__all__ = ["RanaForCausalLM"]

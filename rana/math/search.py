@@ -1,0 +1,209 @@
+"""The paper's searches (Sect. 4.2), as batched tensor work on held-aside tokens.
+
+* `line_search_rank`: for one rank adapter and a MAC budget, try ranks r and set the B-mask
+  threshold so `r·i + o·E[k]` meets the budget; keep the r with the lowest output error.
+* `grid_search_mlp`: split an MLP's budget between up', gate' and down' over a grid (each
+  rank adapter runs its own line search for its share) and keep the split with the lowest
+  relative MLP output error.
+
+Because A has orthonormal columns that span W's column space, the output error of a mask
+is exactly the energy of the dropped code entries: ‖Wx − A(m⊙z)‖² = ‖Wx‖² − Σ_kept z_j².
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from functools import lru_cache
+from typing import Callable
+
+import torch
+
+from .masks import neuron_scores, threshold_for_keep_fraction
+
+
+@dataclass(frozen=True)
+class RankChoice:
+    """Outcome of a line search. `rank == 0` means "keep the dense layer"."""
+
+    rank: int
+    threshold: float
+    expected_active: float  # E[k] on the fit tokens
+    macs: float
+    error: float  # relative output error on the held-aside tokens
+
+    @property
+    def dense(self) -> bool:
+        return self.rank == 0
+
+
+@dataclass
+class CodeStats:
+    """Squared codes z² = (B_full x)² on fit and held-aside tokens, plus ‖Wx‖² of the latter."""
+
+    z2_fit: torch.Tensor  # N_fit × n
+    z2_eval: torch.Tensor  # N_eval × n
+    energy_eval: float  # Σ_tokens ‖W x‖²
+    in_features: int
+    out_features: int
+
+
+def rank_candidates(budget: float, in_features: int, out_features: int, max_rank: int, count: int = 24) -> list[int]:
+    """Ranks worth trying: from the static-SVD rank (E[k] = r) up to the largest r with E[k] > 0."""
+    r_static = max(1, int(budget // (in_features + out_features)))
+    r_max = min(max_rank, int(math.ceil(budget / in_features)) - 1)
+    if r_max < 1:
+        return []
+    r_static = min(r_static, r_max)
+    grid = torch.linspace(r_static, r_max, steps=min(count, r_max - r_static + 1))
+    return sorted({int(round(float(r))) for r in grid})
+
+
+def evaluate_rank(stats: CodeStats, rank: int, budget: float) -> RankChoice:
+    """Threshold rank `rank`'s B-mask to meet `budget` and measure its error."""
+    i, o = stats.in_features, stats.out_features
+    expected = min(float(rank), (budget - rank * i) / o)
+    keep = expected / rank
+    z2f = stats.z2_fit[:, :rank]
+    t = threshold_for_keep_fraction(z2f, keep)
+    if t == -math.inf:
+        kept = stats.z2_eval[:, :rank].sum()
+    else:
+        z2e = stats.z2_eval[:, :rank]
+        kept = (z2e * (z2e >= t)).sum()
+    error = max(0.0, (stats.energy_eval - float(kept)) / max(stats.energy_eval, 1e-30))
+    active = float((z2f >= t).float().sum(1).mean()) if t != -math.inf else float(rank)
+    return RankChoice(rank=rank, threshold=t, expected_active=active, macs=rank * i + o * active, error=error)
+
+
+def line_search_rank(stats: CodeStats, budget: float, *, count: int = 24) -> RankChoice:
+    """Best (rank, threshold) for a MAC budget; the dense layer when the budget allows it."""
+    i, o = stats.in_features, stats.out_features
+    if budget >= i * o:
+        return RankChoice(rank=0, threshold=-math.inf, expected_active=float(min(i, o)), macs=float(i * o), error=0.0)
+    candidates = rank_candidates(budget, i, o, stats.z2_fit.shape[1], count)
+    if not candidates:
+        raise ValueError(f"budget {budget:.0f} MACs is below one rank ({i + o} MACs) for a {o}×{i} layer")
+    return min((evaluate_rank(stats, r, budget) for r in candidates), key=lambda c: c.error)
+
+
+def code_stats(x_fit: torch.Tensor, x_eval: torch.Tensor, weight: torch.Tensor, B_full: torch.Tensor) -> CodeStats:
+    """Codes of the full decomposition for fit and held-aside inputs (float32 work)."""
+    Bf = B_full.to(torch.float32)
+    z_fit = x_fit.float() @ Bf.T
+    z_eval = x_eval.float() @ Bf.T
+    energy = float((x_eval.float() @ weight.float().T).pow(2).sum())
+    return CodeStats(z2_fit=z_fit.pow(2), z2_eval=z_eval.pow(2), energy_eval=energy,
+                     in_features=weight.shape[1], out_features=weight.shape[0])
+
+
+@dataclass
+class MlpComponent:
+    """What the grid search needs of one rank-adapted projection (up or gate)."""
+
+    weight: torch.Tensor  # o × i
+    U: torch.Tensor  # o × n orthonormal (Theorem 1)
+    stats: CodeStats = field(repr=False)
+
+
+@dataclass(frozen=True)
+class MlpChoice:
+    shares: tuple[float, ...]  # (up, gate, down) or (up, down) fractions of the MLP budget
+    up: RankChoice
+    gate: RankChoice | None
+    down_threshold: float
+    down_active: float
+    down_macs: float
+    error: float
+
+
+def simplex_grid(parts: int, step: float) -> list[tuple[float, ...]]:
+    """All share vectors with positive multiples of `step` summing to 1."""
+    n = int(round(1 / step))
+    if parts == 2:
+        return [(a * step, (n - a) * step) for a in range(1, n)]
+    return [(a * step, b * step, (n - a - b) * step) for a in range(1, n) for b in range(1, n - a)]
+
+
+def _adapted_output(comp: MlpComponent, choice: RankChoice, x: torch.Tensor, which: str) -> torch.Tensor:
+    """up'(x) / gate'(x) for a choice, computed from the stored codes (dense when rank 0)."""
+    if choice.dense:
+        return x.float() @ comp.weight.float().T
+    B = comp.U[:, : choice.rank].T.float() @ comp.weight.float()
+    z = x.float() @ B.T
+    if choice.threshold != -math.inf:
+        z = z * (z * z >= choice.threshold)
+    return z @ comp.U[:, : choice.rank].float().T
+
+
+def grid_search_mlp(
+    x_fit: torch.Tensor,
+    x_eval: torch.Tensor,
+    up: MlpComponent,
+    gate: MlpComponent | None,
+    down_weight: torch.Tensor,
+    act: Callable[[torch.Tensor], torch.Tensor],
+    budget: float,
+    *,
+    step: float = 0.125,
+    refine: bool = True,
+    line_count: int = 16,
+) -> MlpChoice:
+    """Grid over the split of `budget` MACs between up', gate' and down' (Sect. 4.2)."""
+    d_out, inter = down_weight.shape
+    down_w = down_weight.float()
+    col_norms = down_w.norm(dim=0)
+    up_ref = x_eval.float() @ up.weight.float().T
+    ref_eval = act(x_eval.float() @ gate.weight.float().T) * up_ref if gate is not None else act(up_ref)
+    ref_out = ref_eval @ down_w.T
+    ref_energy = float(ref_out.pow(2).sum())
+
+    @lru_cache(maxsize=None)
+    def component(which: str, comp_budget: float):
+        comp = up if which == "up" else gate
+        choice = line_search_rank(comp.stats, comp_budget, count=line_count)
+        return choice, _adapted_output(comp, choice, x_fit, which), _adapted_output(comp, choice, x_eval, which)
+
+    def hidden(u, g):
+        return act(g) * u if g is not None else act(u)
+
+    def score(shares: tuple[float, ...]) -> MlpChoice | None:
+        budgets = [s * budget for s in shares]
+        down_budget = budgets[-1]
+        try:
+            u = component("up", budgets[0])
+            g = component("gate", budgets[1]) if gate is not None else None
+        except ValueError:
+            return None
+        h_fit = hidden(u[1], g[1] if g else None)
+        h_eval = hidden(u[2], g[2] if g else None)
+        keep = min(1.0, down_budget / (d_out * inter))
+        t = threshold_for_keep_fraction(neuron_scores(h_fit, col_norms), keep)
+        mask_eval = neuron_scores(h_eval, col_norms) >= t
+        out = (h_eval * mask_eval) @ down_w.T
+        err = float((out - ref_out).pow(2).sum()) / max(ref_energy, 1e-30)
+        active = float((neuron_scores(h_fit, col_norms) >= t).float().sum(-1).mean())
+        return MlpChoice(shares=shares, up=u[0], gate=g[0] if g else None, down_threshold=t, down_active=active,
+                         down_macs=d_out * active, error=err)
+
+    parts = 3 if gate is not None else 2
+    # the grid, plus the uniform split (every projection keeps the same fraction of its cost)
+    candidates = simplex_grid(parts, step) + [tuple([1.0 / parts] * parts)]
+    results = [c for c in (score(s) for s in candidates) if c is not None]
+    if not results:
+        raise ValueError(f"MLP budget {budget:.0f} MACs is too small for any split")
+    best = min(results, key=lambda c: c.error)
+    if refine:
+        half = step / 2
+        neighbours = []
+        for i in range(parts):
+            for j in range(parts):
+                if i != j:
+                    s = list(best.shares)
+                    s[i] += half
+                    s[j] -= half
+                    if min(s) > 1e-9:
+                        neighbours.append(tuple(s))
+        for c in (score(s) for s in neighbours):
+            if c is not None and c.error < best.error:
+                best = c
+    return best

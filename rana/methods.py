@@ -1,0 +1,304 @@
+"""Compression methods as small strategy objects over shared per-layer input statistics.
+
+Each method adapts some projections of a decoder layer in two steps (attention, then MLP, so
+the MLP is calibrated on the output of the already-compressed attention). A step names the
+projection inputs it needs (`targets`), where the layer's forward can stop once they are
+recorded, which need second moments, and an `apply` that swaps modules in place and returns
+plan entries. All budgets are MACs per token (method.md §3).
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+import torch.nn as nn
+
+from .archs import ArchSpec, get_submodule, set_submodule
+from .calibrate import InputStats
+from .math.decompose import decompose
+from .math.masks import subsample_rows, threshold_for_keep_fraction
+from .math.search import MlpComponent, code_stats, grid_search_mlp, line_search_rank
+from .modules import (CatsActivation, InputSparseLinear, NeuronThresholdLinear, RankAdapterLinear, RankSliceLinear,
+                      SharedRankCode)
+
+# ---------------------------------------------------------------------------- roles
+
+
+def role_path(spec: ArchSpec, role: str) -> str:
+    """Layer-relative path of the module whose *input* a role denotes."""
+    a, m = spec.attn, spec.mlp
+    return {
+        "qkv_in": f"{a}.{spec.qkv_fused or spec.q}",
+        "o": f"{a}.{spec.o}",
+        "mlp_in": f"{m}.{spec.gate_up_fused or spec.gate or spec.up}",
+        "down": f"{m}.{spec.down}",
+    }[role]
+
+
+@dataclass
+class LayerContext:
+    index: int
+    layer: nn.Module
+    spec: ArchSpec
+    fraction: float  # share of its dense cost each adapted component of this layer may spend
+    fit_sample_tokens: int
+    search_tokens: int
+    grid_step: float
+    dtype: torch.dtype = torch.float32
+
+    def module(self, path: str) -> nn.Module:
+        return self.layer.get_submodule(path)
+
+
+@dataclass
+class Step:
+    targets: tuple[str, ...]
+    stop: str
+    moments: tuple[str, ...]
+    apply: Callable[[LayerContext, dict[str, InputStats]], dict]
+
+
+@dataclass
+class Method:
+    name: str
+    adapted_parts: tuple[str, ...]  # keys of math.flops.dense_layer_macs this method may shrink
+    steps: list[Step] = field(default_factory=list)
+    min_fraction: float = 0.0  # below this share of the adapted parts' dense cost it cannot go
+    description: str = ""
+
+
+# ---------------------------------------------------------------------------- helpers
+
+
+def _fit_eval(ctx: LayerContext, s: InputStats) -> tuple[torch.Tensor, torch.Tensor]:
+    return subsample_rows(s.fit, ctx.fit_sample_tokens), subsample_rows(s.eval, ctx.search_tokens)
+
+
+def _qkv_modules(ctx: LayerContext) -> list[tuple[str, nn.Linear]]:
+    spec = ctx.spec
+    names = [spec.qkv_fused] if spec.qkv_fused else [spec.q, spec.k, spec.v]
+    return [(f"{spec.attn}.{n}", ctx.module(f"{spec.attn}.{n}")) for n in names]
+
+
+def _stacked(mods: list[nn.Linear]) -> tuple[torch.Tensor, torch.Tensor | None]:
+    W = torch.cat([m.weight.detach() for m in mods])
+    biases = [m.bias for m in mods]
+    if all(b is None for b in biases):
+        return W, None
+    return W, torch.cat([(b.detach() if b is not None else torch.zeros(m.out_features, dtype=W.dtype))
+                         for b, m in zip(biases, mods)])
+
+
+def _relative_error(ref: torch.Tensor, out: torch.Tensor) -> float:
+    return float((out.float() - ref.float()).pow(2).sum() / ref.float().pow(2).sum().clamp_min(1e-30))
+
+
+def _summary(entries: dict[str, dict], **extra) -> dict:
+    return {"components": entries, "expected_macs": sum(e["expected_macs"] for e in entries.values()),
+            "dense_macs": sum(e["dense_macs"] for e in entries.values()), **extra}
+
+
+def _entry(kind: str, **kw) -> dict:
+    return {"kind": kind, **{k: (None if isinstance(v, float) and math.isinf(v) else v) for k, v in kw.items()}}
+
+
+def install_rank_qkv(ctx: LayerContext, A: torch.Tensor, B: torch.Tensor, bias: torch.Tensor | None,
+                     threshold: float) -> None:
+    """Swap q/k/v (or a fused qkv) for a stacked rank adapter with one B-masker."""
+    spec, mods = ctx.spec, _qkv_modules(ctx)
+    dt = mods[0][1].weight.dtype
+    if spec.qkv_fused:
+        set_submodule(ctx.layer, mods[0][0], RankAdapterLinear(A.to(dt), B.to(dt), None if bias is None else bias.to(dt), threshold))
+        return
+    code = SharedRankCode(B.to(dt), threshold, out_features=A.shape[0], consumers=len(mods))
+    set_submodule(ctx.layer, f"{spec.attn}.qkv_code", code)
+    row = 0
+    for path, m in mods:
+        rows = slice(row, row + m.out_features)
+        b = None if bias is None else bias[rows].to(dt)
+        set_submodule(ctx.layer, path, RankSliceLinear(A[rows].to(dt), b, code))
+        row += m.out_features
+
+
+# ---------------------------------------------------------------------------- RaNA (paper)
+
+
+def _rana_attention(ctx: LayerContext, stats: dict[str, InputStats], *, adaptive: bool = True) -> dict:
+    mods = _qkv_modules(ctx)
+    W, bias = _stacked([m for _, m in mods])
+    o, i = W.shape
+    s = stats["qkv_in"]
+    dec = decompose(W, s.moment)
+    x_fit, x_eval = _fit_eval(ctx, s)
+    budget = ctx.fraction * o * i
+    if adaptive:
+        cs = code_stats(x_fit, x_eval, W, dec.U.T @ W.double())
+        choice = line_search_rank(cs, budget)
+        rank, t, active = choice.rank, choice.threshold, choice.expected_active
+    else:  # static SVD: r (i + o) = budget
+        rank, t = max(1, int(round(budget / (i + o)))), -math.inf
+        rank, active = (0, float(min(i, o))) if rank * (i + o) >= o * i else (rank, float(rank))
+    if rank == 0:
+        entry = _entry("dense", in_features=i, out_features=o, expected_macs=float(o * i), dense_macs=float(o * i))
+    else:
+        A, B = dec.factors(W, rank)
+        install_rank_qkv(ctx, A, B, bias, t)
+        path = f"{ctx.spec.attn}.{ctx.spec.qkv_fused or 'qkv_code'}"
+        entry = _entry("rank", path=path, in_features=i, out_features=o, rank=rank, threshold=t, expected_active=active,
+                       expected_macs=rank * i + o * active, dense_macs=float(o * i))
+    return _summary({"qkv": entry})
+
+
+def _mlp_parts(ctx: LayerContext):
+    spec = ctx.spec
+    mlp = ctx.module(spec.mlp)
+    up = mlp.get_submodule(spec.up)
+    gate = mlp.get_submodule(spec.gate) if spec.gate else None
+    down = mlp.get_submodule(spec.down)
+    act = mlp.get_submodule(spec.act)
+    return mlp, up, gate, down, act
+
+
+def _rana_mlp(ctx: LayerContext, stats: dict[str, InputStats]) -> dict:
+    spec = ctx.spec
+    if spec.gate_up_fused:
+        raise NotImplementedError("fused gate_up projections are handled by their architecture file")
+    mlp, up, gate, down, act = _mlp_parts(ctx)
+    s = stats["mlp_in"]
+    x_fit, x_eval = _fit_eval(ctx, s)
+    comps = {}
+    for name, lin in (("up", up), ("gate", gate)):
+        if lin is None:
+            continue
+        dec = decompose(lin.weight, s.moment)
+        comps[name] = (dec, MlpComponent(weight=lin.weight.detach(), U=dec.U,
+                                         stats=code_stats(x_fit, x_eval, lin.weight, dec.U.T @ lin.weight.detach().double())))
+    d_out, inter = down.weight.shape
+    dense_mlp = float(inter * d_out * (3 if gate is not None else 2))
+    budget = ctx.fraction * dense_mlp
+    choice = grid_search_mlp(x_fit, x_eval, comps["up"][1], comps["gate"][1] if gate is not None else None,
+                             down.weight.detach(), act, budget, step=ctx.grid_step)
+    entries = {}
+    for name, lin, rc in (("up", up, choice.up), ("gate", gate, choice.gate)):
+        if lin is None:
+            continue
+        o, i = lin.weight.shape
+        if rc.dense:
+            entries[name] = _entry("dense", in_features=i, out_features=o, expected_macs=float(o * i), dense_macs=float(o * i))
+            continue
+        A, B = comps[name][0].factors(lin.weight, rc.rank)
+        dt = lin.weight.dtype
+        set_submodule(mlp, getattr(spec, name), RankAdapterLinear(A.to(dt), B.to(dt), lin.bias, rc.threshold))
+        entries[name] = _entry("rank", path=f"{spec.mlp}.{getattr(spec, name)}", in_features=i, out_features=o, rank=rc.rank, threshold=rc.threshold,
+                               expected_active=rc.expected_active, expected_macs=rc.macs, dense_macs=float(o * i),
+                               line_search_error=rc.error)
+    set_submodule(mlp, spec.down, NeuronThresholdLinear(down.weight.detach(), down.bias, choice.down_threshold))
+    entries["down"] = _entry("neuron", path=f"{spec.mlp}.{spec.down}", in_features=inter, out_features=d_out, threshold=choice.down_threshold,
+                             expected_active=choice.down_active, expected_macs=choice.down_macs,
+                             dense_macs=float(inter * d_out))
+    return _summary(entries, shares=choice.shares, search_error=choice.error)
+
+
+# ---------------------------------------------------------------------------- baselines
+
+
+def _svd_mlp(ctx: LayerContext, stats: dict[str, InputStats]) -> dict:
+    """Static rank-r factorisation (same Theorem-1 A/B, no mask) of up, gate and down."""
+    spec = ctx.spec
+    mlp, up, gate, down, act = _mlp_parts(ctx)
+    s_in = stats["mlp_in"]
+    entries = {}
+    for name, lin, C in (("up", up, s_in.moment), ("gate", gate, s_in.moment), ("down", down, stats["down"].moment)):
+        if lin is None:
+            continue
+        o, i = lin.weight.shape
+        r = int(round(ctx.fraction * o * i / (i + o)))
+        if r * (i + o) >= o * i:
+            entries[name] = _entry("dense", in_features=i, out_features=o, expected_macs=float(o * i), dense_macs=float(o * i))
+            continue
+        r = max(r, 1)
+        A, B = decompose(lin.weight, C).factors(lin.weight, r)
+        dt = lin.weight.dtype
+        set_submodule(mlp, getattr(spec, name), RankAdapterLinear(A.to(dt), B.to(dt), lin.bias, -math.inf))
+        entries[name] = _entry("rank", path=f"{spec.mlp}.{getattr(spec, name)}", in_features=i, out_features=o, rank=r, threshold=-math.inf,
+                               expected_active=float(r), expected_macs=float(r * (i + o)), dense_macs=float(o * i))
+    return _summary(entries)
+
+
+def _teal_replace(ctx: LayerContext, path: str, x_fit: torch.Tensor, keep: float) -> dict:
+    lin = ctx.module(path)
+    o, i = lin.weight.shape
+    t = threshold_for_keep_fraction(x_fit.abs(), keep)
+    set_submodule(ctx.layer, path, InputSparseLinear(lin.weight.detach(), lin.bias, t))
+    return _entry("input_sparse", path=path, in_features=i, out_features=o, threshold=t, expected_active=keep * i,
+                  expected_macs=o * keep * i, dense_macs=float(o * i))
+
+
+def _teal_attention(ctx: LayerContext, stats: dict[str, InputStats]) -> dict:
+    keep = min(1.0, ctx.fraction)
+    x_qkv = subsample_rows(stats["qkv_in"].fit, ctx.fit_sample_tokens)
+    x_o = subsample_rows(stats["o"].fit, ctx.fit_sample_tokens)
+    entries = {path.rsplit(".", 1)[-1]: _teal_replace(ctx, path, x_qkv, keep) for path, _ in _qkv_modules(ctx)}
+    entries["o"] = _teal_replace(ctx, role_path(ctx.spec, "o"), x_o, keep)
+    return _summary(entries)
+
+
+def _teal_mlp(ctx: LayerContext, stats: dict[str, InputStats]) -> dict:
+    spec, keep = ctx.spec, min(1.0, ctx.fraction)
+    x_in = subsample_rows(stats["mlp_in"].fit, ctx.fit_sample_tokens)
+    x_down = subsample_rows(stats["down"].fit, ctx.fit_sample_tokens)
+    entries = {}
+    for name in ("up", "gate"):
+        if getattr(spec, name):
+            entries[name] = _teal_replace(ctx, f"{spec.mlp}.{getattr(spec, name)}", x_in, keep)
+    entries["down"] = _teal_replace(ctx, f"{spec.mlp}.{spec.down}", x_down, keep)
+    return _summary(entries)
+
+
+def _cats_mlp(ctx: LayerContext, stats: dict[str, InputStats]) -> dict:
+    spec = ctx.spec
+    mlp, up, gate, down, act = _mlp_parts(ctx)
+    if gate is None:
+        raise ValueError("CATS needs a gated MLP")
+    inter, hidden = gate.weight.shape
+    # gate dense (h·I) + kept rows of up and columns of down (2·h·k) = f · 3·h·I
+    keep = (3 * ctx.fraction - 1) / 2
+    x_fit = subsample_rows(stats["mlp_in"].fit, ctx.fit_sample_tokens)
+    a = act(x_fit.float() @ gate.weight.float().T)
+    t = threshold_for_keep_fraction(a.abs(), keep)
+    set_submodule(mlp, spec.act, CatsActivation(act, t, hidden, inter))
+    dense = 3.0 * hidden * inter
+    return _summary({"act": _entry("cats", path=f"{spec.mlp}.{spec.act}", in_features=hidden, out_features=inter,
+                                   threshold=t, expected_active=keep * inter,
+                                   expected_macs=hidden * inter * (1 + 2 * keep), dense_macs=dense)})
+
+
+# ---------------------------------------------------------------------------- registry
+
+_ATTN = ("q", "k", "v")
+_MLP = ("up", "gate", "down")
+
+
+def get_method(name: str) -> Method:
+    qkv_step = lambda fn, moments=("qkv_in",): Step(targets=("qkv_in",), stop="qkv_in", moments=moments, apply=fn)  # noqa: E731
+    if name in ("rana", "rana-paper"):
+        return Method(name, _ATTN + _MLP, [qkv_step(_rana_attention),
+                                           Step(("mlp_in",), "mlp_in", ("mlp_in",), _rana_mlp)],
+                      min_fraction=0.02,
+                      description="RaNA (paper): stacked-QKV and up/gate rank adapters with B-maskers, "
+                                  "neuron-thresholded down, per-linear line search, per-MLP grid search")
+    if name == "svd":
+        return Method(name, _ATTN + _MLP, [qkv_step(lambda c, s: _rana_attention(c, s, adaptive=False)),
+                                           Step(("mlp_in", "down"), "down", ("mlp_in", "down"), _svd_mlp)],
+                      min_fraction=0.01, description="static Theorem-1 factorisation, no masks")
+    if name == "teal":
+        return Method(name, _ATTN + ("o",) + _MLP,
+                      [Step(("qkv_in", "o"), "o", (), _teal_attention),
+                       Step(("mlp_in", "down"), "down", (), _teal_mlp)],
+                      min_fraction=0.0, description="TEAL: magnitude sparsity of every projection's input")
+    if name == "cats":
+        return Method(name, _MLP, [Step(("mlp_in",), "mlp_in", (), _cats_mlp)], min_fraction=1 / 3 + 1e-3,
+                      description="CATS: dense gate, threshold on |act(gate)|, masked up/down (MLP only)")
+    raise ValueError(f"unknown method '{name}'")

@@ -1,0 +1,35 @@
+"""CATS baseline: dense gate, threshold on |act(gate)|, only kept rows of up / columns of down."""
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+
+from .common import MacMeter
+
+
+class CatsActivation(nn.Module, MacMeter):
+    """`a ⊙ 1{|a| ≥ t}` with `a = act(gate x)`; owns the up/down cost of the kept neurons.
+
+    Zeroed neurons make `a ⊙ up(x)` zero there, so up's rows and down's columns for them are
+    never needed: this module meters `(hidden + hidden)·E[k]` MACs for up and down together.
+    """
+
+    def __init__(self, act: nn.Module, threshold: float, hidden: int, intermediate: int):
+        super().__init__()
+        self.act = act
+        self.register_buffer("threshold", torch.tensor(float(threshold), dtype=torch.float32))
+        self.hidden, self.intermediate = hidden, intermediate
+        self.macs_dense = float(2 * hidden * intermediate)
+        self._init_meter()
+
+    def forward(self, g: torch.Tensor) -> torch.Tensor:
+        a = self.act(g)
+        mask = a.abs() >= self.threshold
+        self._record(mask)
+        return a * mask
+
+    def measured_macs(self) -> float:
+        return 2 * self.hidden * self.mean_active()
+
+    def extra_repr(self) -> str:
+        return f"threshold={float(self.threshold):.4g}"

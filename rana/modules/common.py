@@ -1,0 +1,55 @@
+"""Pieces shared by every adapter module: column-major linears and the MAC meter."""
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+
+
+def column_major_linear(weight: torch.Tensor, bias: torch.Tensor | None = None) -> nn.Linear:
+    """An ordinary nn.Linear whose weight (o × i) is stored transposed (i × o row-major).
+
+    Each *column* of W is then contiguous, the layout the masked-GEMV kernels read (skipping an
+    inactive rank/neuron skips one contiguous row of `weight.t()`). F.linear, peft and
+    load_state_dict all work unchanged: copy_ keeps the destination strides.
+    """
+    out_features, in_features = weight.shape
+    layer = nn.Linear(in_features, out_features, bias=bias is not None, device="meta")
+    storage = weight.detach().t().contiguous()
+    layer.weight = nn.Parameter(storage.t())
+    if bias is not None:
+        layer.bias = nn.Parameter(bias.detach().clone())
+    return layer
+
+
+def plain_linear(layer: nn.Module) -> bool:
+    """True when `layer` is an unwrapped nn.Linear (not a peft LoRA wrapper)."""
+    return type(layer) is nn.Linear
+
+
+class MacMeter:
+    """Counts, while switched on, how many ranks / neurons / inputs a module really used.
+
+    `macs_dense` is what the replaced dense computation costs per token; `measured_macs()`
+    is what this module spent per token on the tokens seen since the last reset.
+    """
+
+    macs_dense: float = 0.0
+
+    def _init_meter(self) -> None:
+        self.meter_on = False
+        self.reset_meter()
+
+    def reset_meter(self) -> None:
+        self._active_sum = torch.zeros((), dtype=torch.float64)
+        self._tokens = 0
+
+    def _record(self, mask: torch.Tensor) -> None:
+        if self.meter_on:
+            self._active_sum = self._active_sum.to(mask.device) + mask.sum(dtype=torch.float64)
+            self._tokens += mask.numel() // max(mask.shape[-1], 1)
+
+    def mean_active(self) -> float:
+        return float(self._active_sum) / self._tokens if self._tokens else float("nan")
+
+    def measured_macs(self) -> float:  # pragma: no cover - overridden
+        raise NotImplementedError

@@ -1,0 +1,70 @@
+"""Input-masked linears: neuron thresholding for down projections, magnitude sparsity (TEAL)."""
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+
+from ..kernels.masked_gemv import masked_gemv
+from .common import MacMeter, column_major_linear, plain_linear
+
+
+class NeuronThresholdLinear(nn.Module, MacMeter):
+    """`W (m ⊙ h)` with `m_i = 1{|h_i|·‖W[:, i]‖ ≥ t}` (RaNA's down projection, Eq. 12)."""
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, threshold: float):
+        super().__init__()
+        self.linear = column_major_linear(weight, bias)
+        self.register_buffer("threshold", torch.tensor(float(threshold), dtype=torch.float32))
+        self.register_buffer("column_norms", torch.zeros(weight.shape[1], dtype=torch.float32))
+        self.refresh_norms()
+        self.in_features, self.out_features = weight.shape[1], weight.shape[0]
+        self.macs_dense = float(self.in_features * self.out_features)
+        self._init_meter()
+
+    @torch.no_grad()
+    def refresh_norms(self) -> None:
+        """Recompute ‖W[:, i]‖ (after LoRA merges or weight loading)."""
+        self.column_norms.copy_(self.linear.weight.float().norm(dim=0))
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        if h.numel() == h.shape[-1] and not self.training and plain_linear(self.linear):
+            if self.meter_on:
+                self._record(h.abs() * self.column_norms >= self.threshold)
+            return masked_gemv(self.linear.weight.t(), h, self.threshold, mode="abs_scaled",
+                               scale=self.column_norms, bias=self.linear.bias)
+        mask = h.abs() * self.column_norms >= self.threshold
+        self._record(mask)
+        return self.linear(h * mask)
+
+    def measured_macs(self) -> float:
+        return self.out_features * self.mean_active()
+
+    def extra_repr(self) -> str:
+        return f"in={self.in_features}, out={self.out_features}, threshold={float(self.threshold):.4g}"
+
+
+class InputSparseLinear(nn.Module, MacMeter):
+    """`W (m ⊙ x)` with `m_j = 1{|x_j| ≥ t}`: TEAL's training-free magnitude sparsity."""
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, threshold: float):
+        super().__init__()
+        self.linear = column_major_linear(weight, bias)
+        self.register_buffer("threshold", torch.tensor(float(threshold), dtype=torch.float32))
+        self.in_features, self.out_features = weight.shape[1], weight.shape[0]
+        self.macs_dense = float(self.in_features * self.out_features)
+        self._init_meter()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.numel() == x.shape[-1] and not self.training and plain_linear(self.linear):
+            if self.meter_on:
+                self._record(x.abs() >= self.threshold)
+            return masked_gemv(self.linear.weight.t(), x, self.threshold, mode="abs", bias=self.linear.bias)
+        mask = x.abs() >= self.threshold
+        self._record(mask)
+        return self.linear(x * mask)
+
+    def measured_macs(self) -> float:
+        return self.out_features * self.mean_active()
+
+    def extra_repr(self) -> str:
+        return f"in={self.in_features}, out={self.out_features}, threshold={float(self.threshold):.4g}"

@@ -1,0 +1,117 @@
+"""Linear-layer rank adapters: `y = A (m(z) ⊙ z)`, `z = B x`, B-masker `m_j = 1{z_j² ≥ t}`.
+
+`RankAdapterLinear` replaces one linear (up, gate, or a fused qkv). For separate q/k/v, which
+share their input and are adapted as one stacked matrix, `SharedRankCode` computes the masked
+code once per input and each of q/k/v becomes a `RankSliceLinear` holding its rows of A.
+"""
+from __future__ import annotations
+
+import math
+import weakref
+
+import torch
+import torch.nn as nn
+
+from ..kernels.masked_gemv import masked_gemv
+from .common import MacMeter, column_major_linear, plain_linear
+
+
+def _single_token(x: torch.Tensor) -> bool:
+    return x.numel() == x.shape[-1]
+
+
+class RankAdapterLinear(nn.Module, MacMeter):
+    """Drop-in for an nn.Linear: children `B` (i → r) and `A` (r → o, carries the bias)."""
+
+    def __init__(self, A: torch.Tensor, B: torch.Tensor, bias: torch.Tensor | None, threshold: float):
+        super().__init__()
+        self.B = column_major_linear(B)
+        self.A = column_major_linear(A, bias)
+        self.register_buffer("threshold", torch.tensor(float(threshold), dtype=torch.float32))
+        self.in_features, self.out_features, self.rank = B.shape[1], A.shape[0], B.shape[0]
+        self.macs_dense = float(self.in_features * self.out_features)
+        self._init_meter()
+
+    @classmethod
+    def empty(cls, in_features: int, out_features: int, rank: int, bias: bool, dtype=None) -> "RankAdapterLinear":
+        """Shape-only construction for loading a saved model."""
+        kw = dict(dtype=dtype or torch.float32)
+        return cls(torch.zeros(out_features, rank, **kw), torch.zeros(rank, in_features, **kw),
+                   torch.zeros(out_features, **kw) if bias else None, 0.0)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        z = self.B(x)
+        if _single_token(x) and not self.training and plain_linear(self.A):
+            y = masked_gemv(self.A.weight.t(), z, self.threshold, mode="square", bias=self.A.bias)
+            if self.meter_on:
+                self._record(z * z >= self.threshold)
+            return y
+        mask = z * z >= self.threshold
+        self._record(mask)
+        return self.A(z * mask)
+
+    def measured_macs(self) -> float:
+        return self.rank * self.in_features + self.out_features * self.mean_active()
+
+    def extra_repr(self) -> str:
+        t = float(self.threshold)
+        return f"in={self.in_features}, out={self.out_features}, rank={self.rank}, threshold={t:.4g}" + (
+            " (static)" if t == -math.inf else "")
+
+
+class SharedRankCode(nn.Module, MacMeter):
+    """B and its masker for stacked q/k/v: computes `m ⊙ (B x)` once per input tensor.
+
+    The three projections are called with the *same* tensor in every supported attention
+    forward, so the code is cached by identity and dropped after its last consumer.
+    """
+
+    def __init__(self, B: torch.Tensor, threshold: float, out_features: int, consumers: int = 3):
+        super().__init__()
+        self.B = column_major_linear(B)
+        self.register_buffer("threshold", torch.tensor(float(threshold), dtype=torch.float32))
+        self.in_features, self.rank, self.out_features = B.shape[1], B.shape[0], out_features
+        self.consumers = consumers
+        self.macs_dense = float(self.in_features * out_features)
+        self._cache: tuple | None = None
+        self._init_meter()
+
+    def code(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(z, mask) for x, computed once for the `consumers` projections that share x."""
+        if self._cache is not None and self._cache[0] is x:
+            _, z, mask, left = self._cache
+        else:
+            z = self.B(x)
+            mask = z * z >= self.threshold
+            self._record(mask)
+            left = self.consumers
+        left -= 1
+        self._cache = (x, z, mask, left) if left > 0 else None
+        return z, mask
+
+    def measured_macs(self) -> float:
+        return self.rank * self.in_features + self.out_features * self.mean_active()
+
+    def extra_repr(self) -> str:
+        return f"in={self.in_features}, out={self.out_features}, rank={self.rank}, threshold={float(self.threshold):.4g}"
+
+
+class RankSliceLinear(nn.Module):
+    """One of q/k/v: its rows of the stacked A applied to the shared masked code."""
+
+    def __init__(self, A: torch.Tensor, bias: torch.Tensor | None, code: SharedRankCode):
+        super().__init__()
+        self.A = column_major_linear(A, bias)
+        self.in_features, self.out_features = code.in_features, A.shape[0]
+        self.link(code)
+
+    def link(self, code: SharedRankCode) -> None:
+        # A weak, non-module reference: the code is registered once, on the attention block.
+        self._code = weakref.ref(code)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        code = self._code()
+        z, mask = code.code(x)
+        if _single_token(x) and not self.training and plain_linear(self.A):
+            return masked_gemv(self.A.weight.t(), z, code.threshold, mode="square", bias=self.A.bias)
+        return self.A(z * mask)

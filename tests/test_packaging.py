@@ -1,0 +1,29 @@
+"""The wheel installs `cli/` and `kernels/` *inside* the rana package, never top-level."""
+import subprocess
+import sys
+import zipfile
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_wheel_maps_cli_and_kernels_under_rana(tmp_path):
+    subprocess.run([sys.executable, "-m", "pip", "wheel", str(ROOT), "--no-deps", "--no-build-isolation", "-q",
+                    "-w", str(tmp_path)], check=True, cwd=tmp_path)
+    wheel = next(tmp_path.glob("rana-*.whl"))
+    names = zipfile.ZipFile(wheel).namelist()
+    tops = {n.split("/")[0] for n in names}
+    assert "cli" not in tops and "kernels" not in tops
+    assert "rana/cli/app.py" in names and "rana/kernels/masked_gemv.py" in names
+    assert any(n.startswith("rana/assets/") for n in names)  # bundled calibration corpus
+    target = tmp_path / "site"
+    subprocess.run([sys.executable, "-m", "pip", "install", "--no-deps", "-q", "--target", str(target), str(wheel)],
+                   check=True)
+    assert not (target / "cli").exists() and not (target / "kernels").exists()
+    code = "import rana.cli.app, rana.kernels.masked_gemv, rana.compress; print(rana.cli.app.__file__)"
+    res = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, env={"PYTHONPATH": str(target), "PATH": ""},
+                         capture_output=True, text=True)
+    assert res.returncode == 0, res.stderr
+    assert res.stdout.strip().startswith(str(target))
+    entry = next(n for n in names if n.endswith("entry_points.txt"))
+    assert "rana = rana.cli.app:main" in zipfile.ZipFile(wheel).read(entry).decode()
