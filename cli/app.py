@@ -8,6 +8,18 @@ from .common import setup_environment
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
                   help="RaNA: adaptive rank/neuron allocation — compress, fine-tune, evaluate and export HF causal LMs.")
+
+
+@app.callback()
+def _root(version: bool = typer.Option(False, "--version", help="print the version and exit", is_eager=True)) -> None:
+    """RaNA: adaptive rank/neuron allocation for Hugging Face causal LMs."""
+    if version:
+        from rana import __version__
+
+        typer.echo(f"rana {__version__}")
+        raise typer.Exit()
+
+
 compress_cmd.register(app)
 
 for _name in ("evaluate_cmd", "sweep_cmd", "finetune_cmd", "export_cmd"):

@@ -9,6 +9,7 @@ from typing import Callable
 
 import typer
 from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 console = Console(stderr=True)
 out = Console()
@@ -57,6 +58,32 @@ def friendly(fn: Callable) -> Callable:
             fail(str(e).splitlines()[0] if str(e) else type(e).__name__)
 
     return wrapper
+
+
+class LazyProgress:
+    """A rich progress bar that appears on the first report, so errors raised before any
+    work starts print as one clean line. Call it as `progress(what, done, total)`."""
+
+    def __init__(self, description: str):
+        self.description = description
+        self._bar: Progress | None = None
+        self._tasks: dict[str, int] = {}
+
+    def __enter__(self) -> "LazyProgress":
+        return self
+
+    def __call__(self, what: str, done: int, total: int | None) -> None:
+        if self._bar is None:
+            self._bar = Progress(TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(),
+                                 TimeElapsedColumn(), console=console)
+            self._bar.start()
+        if what not in self._tasks:
+            self._tasks[what] = self._bar.add_task(f"{self.description}: {what}", total=total)
+        self._bar.update(self._tasks[what], completed=done, total=total)
+
+    def __exit__(self, *exc) -> None:
+        if self._bar is not None:
+            self._bar.stop()
 
 
 def setup_environment() -> None:

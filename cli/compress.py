@@ -5,10 +5,9 @@ from pathlib import Path
 from typing import Optional
 
 import typer
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
-from .common import console, friendly
+from .common import LazyProgress, console, friendly
 from .common import out as stdout
 
 
@@ -64,6 +63,7 @@ def register(app: typer.Typer) -> None:
     ) -> None:
         """Compress a model with RaNA adapters to a model-level FLOP budget."""
         from rana.compress import compress as run
+        from rana.loading import resolve
         from rana.config import CompressConfig
         from rana.io import OutputExistsError, save
 
@@ -76,13 +76,8 @@ def register(app: typer.Typer) -> None:
                                 split=split, text_column=text_column, calib_tokens=calib_tokens, seq_len=seq_len,
                                 batch_size=batch_size, dtype=dtype, device=device, grid_step=grid_step, seed=seed)
         config.validate()
-        with Progress(TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
-                      console=console, transient=False) as bar:
-            task = bar.add_task(f"compressing {model}", total=None)
-
-            def progress(_what: str, done: int, total: int) -> None:
-                bar.update(task, completed=done, total=total)
-
+        resolve(model)  # fail fast on an unknown model, before any work starts
+        with LazyProgress(f"compressing {model}") as progress:
             result = run(config, progress=progress)
         save(result.model, result.tokenizer, out, plan=result.plan, overwrite=overwrite,
              extra={"method": config.method, "compress_config": config.to_dict()})

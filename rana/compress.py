@@ -142,19 +142,33 @@ def _attach_measurements(layer_plans: list[dict], layers_path: str, modules: dic
             by_path[name]["measured_macs"] = m["measured_macs"]
 
 
+def calibration_data(config: CompressConfig, tokenizer):
+    """Calibration windows from `config.dataset`; reads only as much text as it needs first
+    (~16 characters per wanted token), the whole source if that proves too short."""
+    from .data import DataError, calibration_batches, load_texts, tokenize_stream
+
+    def attempt(max_chars):
+        texts = load_texts(config.dataset, config=config.dataset_config, split=config.split,
+                           text_column=config.text_column, max_chars=max_chars)
+        return calibration_batches(tokenize_stream(texts, tokenizer), n_tokens=config.calib_tokens,
+                                   seq_len=config.seq_len, heldout_fraction=config.heldout_fraction, seed=config.seed)
+
+    try:
+        return attempt(16 * config.calib_tokens)
+    except DataError as e:
+        if "too short" not in str(e):
+            raise
+        return attempt(None)
+
+
 def compress(config: CompressConfig, progress: Callable[[str, int, int], None] | None = None) -> CompressResult:
     """Load the model and calibration data named by `config`, then compress."""
-    from .data import calibration_batches, load_texts, tokenize_stream
-
     config.validate()
     model, tokenizer, _ = load_model(config.model, dtype=config.dtype, device="cpu")
     get_arch(model.config)  # fail fast on unsupported architectures
     get_method(config.method)
     budget_for(model.config, get_method(config.method), config.flops, config.seq_len)
-    texts = load_texts(config.dataset, config=config.dataset_config, split=config.split, text_column=config.text_column)
-    tokens = tokenize_stream(texts, tokenizer)
-    calibration = calibration_batches(tokens, n_tokens=config.calib_tokens, seq_len=config.seq_len,
-                                      heldout_fraction=config.heldout_fraction, seed=config.seed)
+    calibration = calibration_data(config, tokenizer)
     result = compress_model(model, tokenizer, config, calibration, progress=progress)
     result.plan["model"] = config.model
     return result

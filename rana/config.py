@@ -26,8 +26,8 @@ class CompressConfig:
     device: str = "cpu"
     offload_device: str = "cpu"
     grid_step: float = 0.125
-    fit_sample_tokens: int = 4096
-    search_tokens: int = 2048
+    fit_sample_tokens: int = 1536
+    search_tokens: int = 1024
     seed: int = 0
 
     def validate(self) -> None:

@@ -19,7 +19,7 @@ from .archs import ArchSpec, get_submodule, set_submodule
 from .calibrate import InputStats
 from .math.decompose import decompose
 from .math.masks import subsample_rows, threshold_for_keep_fraction
-from .math.search import MlpComponent, code_stats, grid_search_mlp, line_search_rank
+from .math.search import MlpComponent, code_stats, grid_search_mlp, input_sparse_choice, line_search_rank
 from .modules import (CatsActivation, InputSparseLinear, NeuronThresholdLinear, RankAdapterLinear, RankSliceLinear,
                       SharedRankCode)
 
@@ -125,7 +125,30 @@ def install_rank_qkv(ctx: LayerContext, A: torch.Tensor, B: torch.Tensor, bias: 
 # ---------------------------------------------------------------------------- RaNA (paper)
 
 
-def _rana_attention(ctx: LayerContext, stats: dict[str, InputStats], *, adaptive: bool = True) -> dict:
+def _sparse_qkv(ctx: LayerContext, x_fit: torch.Tensor, x_eval: torch.Tensor, fraction: float) -> tuple[float, dict]:
+    """Score per-projection input sparsity (|x_j|·‖W[:, j]‖) for q, k, v at `fraction`;
+    returns the stacked relative error and an installer."""
+    picks = []
+    for path, m in _qkv_modules(ctx):
+        picks.append((path, m, input_sparse_choice(x_fit, x_eval, m.weight.detach(), fraction * m.weight.numel())))
+    ref = torch.cat([x_eval.float() @ m.weight.float().T for _, m, _ in picks], -1)
+    err_energy = sum(c.error * float((x_eval.float() @ m.weight.float().T).pow(2).sum()) for _, m, c in picks)
+    return err_energy / float(ref.pow(2).sum().clamp_min(1e-30)), {"picks": picks}
+
+
+def _install_sparse_qkv(ctx: LayerContext, picks) -> dict:
+    entries = {}
+    for path, m, c in picks:
+        o, i = m.weight.shape
+        set_submodule(ctx.layer, path, NeuronThresholdLinear(m.weight.detach(), m.bias, c.threshold))
+        entries[path.rsplit(".", 1)[-1]] = _entry("sparse", path=path, in_features=i, out_features=o, threshold=c.threshold,
+                                                  expected_active=c.expected_active, expected_macs=c.macs,
+                                                  dense_macs=float(o * i), search_error=c.error)
+    return entries
+
+
+def _rana_attention(ctx: LayerContext, stats: dict[str, InputStats], *, adaptive: bool = True,
+                    allow_sparse: bool = False, adapt_o: bool = False) -> dict:
     mods = _qkv_modules(ctx)
     W, bias = _stacked([m for _, m in mods])
     o, i = W.shape
@@ -133,9 +156,17 @@ def _rana_attention(ctx: LayerContext, stats: dict[str, InputStats], *, adaptive
     dec = decompose(W, s.moment)
     x_fit, x_eval = _fit_eval(ctx, s)
     budget = ctx.fraction * o * i
+    extra = {}
+    if adapt_o:
+        extra["o"] = _o_sparse(ctx, stats["o"])
     if adaptive:
         cs = code_stats(x_fit, x_eval, W, dec.U.T @ W.double())
         choice = line_search_rank(cs, budget)
+        if allow_sparse:
+            sparse_err, sparse = _sparse_qkv(ctx, x_fit, x_eval, ctx.fraction)
+            if sparse_err < choice.error:
+                return _summary({**_install_sparse_qkv(ctx, sparse["picks"]), **extra},
+                                choice={"qkv": "sparse", "sparse_error": sparse_err, "rank_error": choice.error})
         rank, t, active = choice.rank, choice.threshold, choice.expected_active
     else:  # static SVD: r (i + o) = budget
         rank, t = max(1, int(round(budget / (i + o)))), -math.inf
@@ -148,7 +179,21 @@ def _rana_attention(ctx: LayerContext, stats: dict[str, InputStats], *, adaptive
         path = f"{ctx.spec.attn}.{ctx.spec.qkv_fused or 'qkv_code'}"
         entry = _entry("rank", path=path, in_features=i, out_features=o, rank=rank, threshold=t, expected_active=active,
                        expected_macs=rank * i + o * active, dense_macs=float(o * i))
-    return _summary({"qkv": entry})
+    return _summary({"qkv": entry, **extra})
+
+
+def _o_sparse(ctx: LayerContext, s: InputStats) -> dict:
+    """o_proj (square, so a rank adapter's dense `B x` is too costly): input sparsity."""
+    path = role_path(ctx.spec, "o")
+    lin = ctx.module(path)
+    o, i = lin.weight.shape
+    x_fit, x_eval = _fit_eval(ctx, s)
+    c = input_sparse_choice(x_fit, x_eval, lin.weight.detach(), ctx.fraction * o * i)
+    if c.dense:
+        return _entry("dense", in_features=i, out_features=o, expected_macs=float(o * i), dense_macs=float(o * i))
+    set_submodule(ctx.layer, path, NeuronThresholdLinear(lin.weight.detach(), lin.bias, c.threshold))
+    return _entry("sparse", path=path, in_features=i, out_features=o, threshold=c.threshold,
+                  expected_active=c.expected_active, expected_macs=c.macs, dense_macs=float(o * i), search_error=c.error)
 
 
 def _mlp_parts(ctx: LayerContext):
@@ -161,7 +206,7 @@ def _mlp_parts(ctx: LayerContext):
     return mlp, up, gate, down, act
 
 
-def _rana_mlp(ctx: LayerContext, stats: dict[str, InputStats]) -> dict:
+def _rana_mlp(ctx: LayerContext, stats: dict[str, InputStats], *, allow_sparse: bool = False) -> dict:
     spec = ctx.spec
     if spec.gate_up_fused:
         raise NotImplementedError("fused gate_up projections are handled by their architecture file")
@@ -173,7 +218,7 @@ def _rana_mlp(ctx: LayerContext, stats: dict[str, InputStats]) -> dict:
         if lin is None:
             continue
         dec = decompose(lin.weight, s.moment)
-        comps[name] = (dec, MlpComponent(weight=lin.weight.detach(), U=dec.U,
+        comps[name] = (dec, MlpComponent(weight=lin.weight.detach(), U=dec.U, allow_sparse=allow_sparse,
                                          stats=code_stats(x_fit, x_eval, lin.weight, dec.U.T @ lin.weight.detach().double())))
     d_out, inter = down.weight.shape
     dense_mlp = float(inter * d_out * (3 if gate is not None else 2))
@@ -187,6 +232,13 @@ def _rana_mlp(ctx: LayerContext, stats: dict[str, InputStats]) -> dict:
         o, i = lin.weight.shape
         if rc.dense:
             entries[name] = _entry("dense", in_features=i, out_features=o, expected_macs=float(o * i), dense_macs=float(o * i))
+            continue
+        path = f"{spec.mlp}.{getattr(spec, name)}"
+        if rc.kind == "sparse":
+            set_submodule(ctx.layer, path, NeuronThresholdLinear(lin.weight.detach(), lin.bias, rc.threshold))
+            entries[name] = _entry("sparse", path=path, in_features=i, out_features=o, threshold=rc.threshold,
+                                   expected_active=rc.expected_active, expected_macs=rc.macs, dense_macs=float(o * i),
+                                   line_search_error=rc.error)
             continue
         A, B = comps[name][0].factors(lin.weight, rc.rank)
         dt = lin.weight.dtype
@@ -283,7 +335,16 @@ _MLP = ("up", "gate", "down")
 
 def get_method(name: str) -> Method:
     qkv_step = lambda fn, moments=("qkv_in",): Step(targets=("qkv_in",), stop="qkv_in", moments=moments, apply=fn)  # noqa: E731
-    if name in ("rana", "rana-paper"):
+    if name == "rana":
+        return Method(name, _ATTN + ("o",) + _MLP,
+                      [Step(("qkv_in", "o"), "o", ("qkv_in",),
+                            lambda c, s: _rana_attention(c, s, allow_sparse=True, adapt_o=True)),
+                       Step(("mlp_in",), "mlp_in", ("mlp_in",), lambda c, s: _rana_mlp(c, s, allow_sparse=True))],
+                      min_fraction=0.02,
+                      description="rana (default): per projection the better of a B-masked rank adapter and "
+                                  "contribution-scored input sparsity (a rank adapter with B = I), chosen by held-out "
+                                  "error at equal FLOPs; o_proj adapted too; per-MLP grid search over the split")
+    if name == "rana-paper":
         return Method(name, _ATTN + _MLP, [qkv_step(_rana_attention),
                                            Step(("mlp_in",), "mlp_in", ("mlp_in",), _rana_mlp)],
                       min_fraction=0.02,

@@ -34,3 +34,24 @@ def tiny_compress_config(**kw):
     base = dict(model="tiny", flops=0.7, calib_tokens=1792, seq_len=32, batch_size=4, search_tokens=128,
                 fit_sample_tokens=256)
     return CompressConfig(**{**base, **kw})
+
+
+def byte_tokenizer():
+    """An offline byte-level tokenizer (256 bytes + <eos>): any text round-trips."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {c: i for i, c in enumerate(sorted(pre_tokenizers.ByteLevel.alphabet()))}
+    vocab["<eos>"] = len(vocab)
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    return PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<eos>")
+
+
+def tiny_model_dir(path, arch: str = "llama"):
+    """A tiny random model + byte tokenizer saved as an ordinary HF folder."""
+    model = tiny_model(arch, vocab_size=257)
+    model.save_pretrained(path)
+    byte_tokenizer().save_pretrained(path)
+    return path

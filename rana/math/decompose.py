@@ -26,9 +26,26 @@ class Decomposition:
         return A, B
 
 
+def _lapack(fn, M: torch.Tensor):
+    """Run a float64 factorisation. Small CPU problems run single-threaded: MKL's threaded
+    eigh/qr were up to 20× *slower* than one thread on a busy 2-core machine (measured)."""
+    if M.device.type != "cpu" or max(M.shape) > 2048:
+        return fn(M)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        return fn(M)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _eigh(M: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    return _lapack(torch.linalg.eigh, M)
+
+
 def _psd_sqrt(C: torch.Tensor) -> torch.Tensor:
     """L with C = L Lᵀ for a PSD matrix (eigen route: robust to rank deficiency)."""
-    evals, evecs = torch.linalg.eigh(C)
+    evals, evecs = _eigh(C)
     return evecs * evals.clamp_min(0).sqrt()
 
 
@@ -47,15 +64,15 @@ def decompose(weight: torch.Tensor, second_moment: torch.Tensor, *, damping: flo
     if o > i:
         L = _psd_sqrt(C)
         WL = W @ L
-        evals, V = torch.linalg.eigh(WL.T @ WL)  # ascending
+        evals, V = _eigh(WL.T @ WL)  # ascending
         evals, V = evals.flip(0), V.flip(1)
         sigma = evals.clamp_min(0).sqrt()
         keep = sigma > sigma[0] * 1e-12 if sigma[0] > 0 else torch.zeros_like(sigma, dtype=torch.bool)
         U = (WL @ V[:, keep]) / sigma[keep]
         # Re-orthonormalise against round-off (Σ⁻¹ amplifies it for small σ); keep column signs.
-        Q, R = torch.linalg.qr(U)
+        Q, R = _lapack(torch.linalg.qr, U)
         U = Q * torch.sign(R.diagonal()).where(R.diagonal() != 0, torch.ones_like(R.diagonal()))
         return Decomposition(U=U, singular_values=sigma[keep])
-    evals, U = torch.linalg.eigh(W @ C @ W.T)
+    evals, U = _eigh(W @ C @ W.T)
     evals, U = evals.flip(0), U.flip(1)
     return Decomposition(U=U, singular_values=evals.clamp_min(0).sqrt())

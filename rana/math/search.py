@@ -23,17 +23,20 @@ from .masks import neuron_scores, threshold_for_keep_fraction
 
 @dataclass(frozen=True)
 class RankChoice:
-    """Outcome of a line search. `rank == 0` means "keep the dense layer"."""
+    """How one projection spends its budget. `kind`: "rank" (B-masked rank adapter),
+    "sparse" (input sparsity scored by |x_j|·‖W[:, j]‖, i.e. a rank adapter with B = I) or
+    "dense" (`rank == 0`)."""
 
     rank: int
     threshold: float
-    expected_active: float  # E[k] on the fit tokens
+    expected_active: float  # E[k] on the fit tokens (ranks, or inputs for "sparse")
     macs: float
     error: float  # relative output error on the held-aside tokens
+    kind: str = "rank"
 
     @property
     def dense(self) -> bool:
-        return self.rank == 0
+        return self.kind == "dense"
 
 
 @dataclass
@@ -63,27 +66,48 @@ def evaluate_rank(stats: CodeStats, rank: int, budget: float) -> RankChoice:
     i, o = stats.in_features, stats.out_features
     expected = min(float(rank), (budget - rank * i) / o)
     keep = expected / rank
-    z2f = stats.z2_fit[:, :rank]
-    t = threshold_for_keep_fraction(z2f, keep)
+    t = threshold_for_keep_fraction(stats.z2_fit[:, :rank], keep)
     if t == -math.inf:
         kept = stats.z2_eval[:, :rank].sum()
     else:
         z2e = stats.z2_eval[:, :rank]
         kept = (z2e * (z2e >= t)).sum()
     error = max(0.0, (stats.energy_eval - float(kept)) / max(stats.energy_eval, 1e-30))
-    active = float((z2f >= t).float().sum(1).mean()) if t != -math.inf else float(rank)
+    active = keep * rank  # exact on the fit sample, by construction of the quantile
     return RankChoice(rank=rank, threshold=t, expected_active=active, macs=rank * i + o * active, error=error)
 
 
-def line_search_rank(stats: CodeStats, budget: float, *, count: int = 24) -> RankChoice:
+def line_search_rank(stats: CodeStats, budget: float, *, count: int = 12) -> RankChoice:
     """Best (rank, threshold) for a MAC budget; the dense layer when the budget allows it."""
     i, o = stats.in_features, stats.out_features
     if budget >= i * o:
-        return RankChoice(rank=0, threshold=-math.inf, expected_active=float(min(i, o)), macs=float(i * o), error=0.0)
+        return RankChoice(rank=0, threshold=-math.inf, expected_active=float(min(i, o)), macs=float(i * o), error=0.0,
+                          kind="dense")
     candidates = rank_candidates(budget, i, o, stats.z2_fit.shape[1], count)
     if not candidates:
         raise ValueError(f"budget {budget:.0f} MACs is below one rank ({i + o} MACs) for a {o}×{i} layer")
     return min((evaluate_rank(stats, r, budget) for r in candidates), key=lambda c: c.error)
+
+
+def input_sparse_choice(x_fit: torch.Tensor, x_eval: torch.Tensor, weight: torch.Tensor, budget: float,
+                        ref_eval: torch.Tensor | None = None) -> RankChoice:
+    """Input sparsity for a budget: keep inputs with |x_j|·‖W[:, j]‖ ≥ t, cost o·E[k].
+
+    The score is input j's exact contribution norm to the output (a neuron-thresholding mask on
+    the input side; TEAL's plain |x_j| ignores how large W's column is)."""
+    o, i = weight.shape
+    if budget >= i * o:
+        return RankChoice(rank=0, threshold=-math.inf, expected_active=float(i), macs=float(i * o), error=0.0, kind="dense")
+    W = weight.float()
+    norms = W.norm(dim=0)
+    keep = budget / (o * i)
+    t = threshold_for_keep_fraction(neuron_scores(x_fit.float(), norms), keep)
+    xe = x_eval.float()
+    ref = xe @ W.T if ref_eval is None else ref_eval
+    out = (xe * (neuron_scores(xe, norms) >= t)) @ W.T
+    error = float((out - ref).pow(2).sum() / ref.pow(2).sum().clamp_min(1e-30))
+    active = keep * i
+    return RankChoice(rank=0, threshold=t, expected_active=active, macs=o * active, error=error, kind="sparse")
 
 
 def code_stats(x_fit: torch.Tensor, x_eval: torch.Tensor, weight: torch.Tensor, B_full: torch.Tensor) -> CodeStats:
@@ -103,6 +127,8 @@ class MlpComponent:
     weight: torch.Tensor  # o × i
     U: torch.Tensor  # o × n orthonormal (Theorem 1)
     stats: CodeStats = field(repr=False)
+    allow_sparse: bool = False  # also consider input sparsity and keep whichever errs less
+    ref_eval: torch.Tensor | None = field(default=None, repr=False)  # W x on held-aside tokens (cache)
 
 
 @dataclass(frozen=True)
@@ -128,11 +154,29 @@ def _adapted_output(comp: MlpComponent, choice: RankChoice, x: torch.Tensor, whi
     """up'(x) / gate'(x) for a choice, computed from the stored codes (dense when rank 0)."""
     if choice.dense:
         return x.float() @ comp.weight.float().T
+    if choice.kind == "sparse":
+        W = comp.weight.float()
+        return (x.float() * (neuron_scores(x.float(), W.norm(dim=0)) >= choice.threshold)) @ W.T
     B = comp.U[:, : choice.rank].T.float() @ comp.weight.float()
     z = x.float() @ B.T
     if choice.threshold != -math.inf:
         z = z * (z * z >= choice.threshold)
     return z @ comp.U[:, : choice.rank].float().T
+
+
+def _best_projection_choice(comp: MlpComponent, x_fit, x_eval, budget: float, line_count: int) -> RankChoice:
+    options = []
+    try:
+        options.append(line_search_rank(comp.stats, budget, count=line_count))
+    except ValueError:
+        pass
+    if comp.allow_sparse:
+        if comp.ref_eval is None:
+            comp.ref_eval = x_eval.float() @ comp.weight.float().T
+        options.append(input_sparse_choice(x_fit, x_eval, comp.weight, budget, comp.ref_eval))
+    if not options:
+        raise ValueError(f"budget {budget:.0f} MACs is too small for this projection")
+    return min(options, key=lambda c: c.error)
 
 
 def grid_search_mlp(
@@ -146,7 +190,7 @@ def grid_search_mlp(
     *,
     step: float = 0.125,
     refine: bool = True,
-    line_count: int = 16,
+    line_count: int = 12,
 ) -> MlpChoice:
     """Grid over the split of `budget` MACs between up', gate' and down' (Sect. 4.2)."""
     d_out, inter = down_weight.shape
@@ -160,7 +204,7 @@ def grid_search_mlp(
     @lru_cache(maxsize=None)
     def component(which: str, comp_budget: float):
         comp = up if which == "up" else gate
-        choice = line_search_rank(comp.stats, comp_budget, count=line_count)
+        choice = _best_projection_choice(comp, x_fit, x_eval, comp_budget, line_count)
         return choice, _adapted_output(comp, choice, x_fit, which), _adapted_output(comp, choice, x_eval, which)
 
     def hidden(u, g):
@@ -181,7 +225,7 @@ def grid_search_mlp(
         mask_eval = neuron_scores(h_eval, col_norms) >= t
         out = (h_eval * mask_eval) @ down_w.T
         err = float((out - ref_out).pow(2).sum()) / max(ref_energy, 1e-30)
-        active = float((neuron_scores(h_fit, col_norms) >= t).float().sum(-1).mean())
+        active = keep * inter
         return MlpChoice(shares=shares, up=u[0], gate=g[0] if g else None, down_threshold=t, down_active=active,
                          down_macs=d_out * active, error=err)
 

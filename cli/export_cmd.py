@@ -1,0 +1,30 @@
+"""`rana export DIR --out OUT`: a folder that loads with plain transformers (trust_remote_code=True)."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import typer
+
+from .common import console, friendly
+from .common import out as stdout
+
+
+def register(app: typer.Typer) -> None:
+    @app.command("export")
+    @friendly
+    def export(
+        src: Path = typer.Argument(..., help="rana folder written by `rana compress` / `rana finetune`"),
+        out: Path = typer.Option(..., "--out", "-o", help="output folder (no '.' in its name; must not exist unless --overwrite)"),
+        overwrite: bool = typer.Option(False, help="replace an existing --out folder"),
+        max_shard_size: str = typer.Option("2GB", "--max-shard-size", help="split the safetensors weights past this size (e.g. 500MB, 2GB)"),
+    ) -> None:
+        """Export a compressed model as a folder that loads in plain transformers, without rana installed."""
+        from rana.export import export as run
+
+        with console.status(f"exporting {src}"):
+            path = run(src, out, overwrite=overwrite, max_shard_size=max_shard_size)
+        shards = sorted(path.glob("*.safetensors"))
+        size = sum(f.stat().st_size for f in shards) / 1e6
+        stdout.print(f"wrote {path}/ ({len(shards)} safetensors shard{'s' if len(shards) != 1 else ''}, {size:.1f} MB); "
+                     f"load with AutoModelForCausalLM.from_pretrained('{path}', trust_remote_code=True)", highlight=False,
+                     soft_wrap=True)
