@@ -102,6 +102,14 @@ class InputStats:
     count: int = 0
     fit_rows: list[torch.Tensor] = field(default_factory=list)
     eval_rows: list[torch.Tensor] = field(default_factory=list)
+    cache: dict = field(default_factory=dict, repr=False)  # derived results reused across searches
+
+    def cached(self, key, compute):
+        """Memoise work derived from these statistics (decompositions, codes), e.g. when the
+        budget allocator searches the same block at several budgets."""
+        if key not in self.cache:
+            self.cache[key] = compute()
+        return self.cache[key]
 
     @property
     def fit(self) -> torch.Tensor:

@@ -16,6 +16,7 @@ from .calibrate import LayerInputs, capture_first_layer_inputs, collect_inputs, 
 from .config import CompressConfig
 from .loading import DTYPES, load_model
 from .math.flops import adapted_fraction
+from .allocate import profile_and_allocate
 from .methods import LayerContext, Method, _qkv_modules, _relative_error, get_method, role_path
 
 
@@ -79,6 +80,13 @@ def compress_model(model: nn.Module, tokenizer, config: CompressConfig, calibrat
     t0 = time.perf_counter()
     fit = capture_first_layer_inputs(model, spec, calibration.fit, batch_size=config.batch_size, device=device, offload=offload)
     held = capture_first_layer_inputs(model, spec, calibration.heldout, batch_size=config.batch_size, device=device, offload=offload)
+    allocation = None
+    if config.allocation == "global" and fraction < 1.0:
+        allocation = profile_and_allocate(model, spec, method, fit, held, fraction, dense_macs_per_layer(model.config, config.seq_len),
+                                          step_names=_step_names(method), fit_sample_tokens=config.fit_sample_tokens,
+                                          search_tokens=config.search_tokens, device=device, offload=offload,
+                                          step_error=_step_error, progress=progress)
+    t_profile = time.perf_counter() - t0
     layer_plans = []
     for idx, layer in enumerate(layers):
         layer.to(device)
@@ -86,12 +94,16 @@ def compress_model(model: nn.Module, tokenizer, config: CompressConfig, calibrat
                            search_tokens=config.search_tokens, grid_step=config.grid_step, dtype=dtype)
         entry = {"layer": idx}
         for step, step_name in zip(method.steps if fraction < 1.0 else [], _step_names(method)):
+            ctx.fraction = allocation.fractions[idx][step_name] if allocation else fraction
+            if ctx.fraction >= 1.0:
+                continue
             targets = {role: layer.get_submodule(role_path(spec, role)) for role in step.targets}
             stats = collect_inputs(layer, fit, held, targets, device=device, stop_at=targets[step.stop],
                                    second_moment=step.moments, fit_sample_tokens=config.fit_sample_tokens, layer_index=idx)
             measure = _step_error(ctx, step_name, stats, device)
             result = step.apply(ctx, stats)
             result["heldout_error"] = measure()
+            result["budget_fraction"] = ctx.fraction
             entry[step_name] = result
             del stats
         for m in metered_modules(layer).values():  # measure masks on held-aside tokens as they flow
@@ -118,6 +130,8 @@ def compress_model(model: nn.Module, tokenizer, config: CompressConfig, calibrat
         "budget": budget_info,
         "config": config.to_dict(),
         "wall_time_s": time.perf_counter() - t0,
+        "allocation": allocation.to_dict() if allocation else {"kind": "uniform", "fraction": fraction},
+        "allocation_profile_s": t_profile if allocation else 0.0,
         "layers": layer_plans,
     }
     model.to(device)

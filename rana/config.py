@@ -29,12 +29,15 @@ class CompressConfig:
     fit_sample_tokens: int = 1536
     search_tokens: int = 1024
     seed: int = 0
+    allocation: str = "uniform"  # "uniform" (paper: same fraction everywhere) or "global" (measured sensitivity)
 
     def validate(self) -> None:
         if not 0.0 < self.flops <= 1.0:
             raise ValueError(f"--flops must be in (0, 1], got {self.flops}: it is the fraction of the dense model's FLOPs to keep")
         if self.method not in METHODS:
             raise ValueError(f"unknown method '{self.method}' (choose from {', '.join(METHODS)})")
+        if self.allocation not in ("uniform", "global"):
+            raise ValueError(f"unknown allocation '{self.allocation}' (choose uniform or global)")
         if self.seq_len < 8:
             raise ValueError(f"--seq-len must be at least 8, got {self.seq_len}")
         if self.calib_tokens < 2 * self.seq_len:

@@ -153,14 +153,15 @@ def _rana_attention(ctx: LayerContext, stats: dict[str, InputStats], *, adaptive
     W, bias = _stacked([m for _, m in mods])
     o, i = W.shape
     s = stats["qkv_in"]
-    dec = decompose(W, s.moment)
-    x_fit, x_eval = _fit_eval(ctx, s)
+    key = tuple(id(m.weight) for _, m in mods)
+    dec = s.cached(("dec", key), lambda: decompose(W, s.moment))
+    x_fit, x_eval = s.cached(("rows", ctx.fit_sample_tokens, ctx.search_tokens), lambda: _fit_eval(ctx, s))
     budget = ctx.fraction * o * i
     extra = {}
     if adapt_o:
         extra["o"] = _o_sparse(ctx, stats["o"])
     if adaptive:
-        cs = code_stats(x_fit, x_eval, W, dec.U.T @ W.double())
+        cs = s.cached(("codes", key), lambda: code_stats(x_fit, x_eval, W, dec.U.T @ W.double()))
         choice = line_search_rank(cs, budget)
         if allow_sparse:
             sparse_err, sparse = _sparse_qkv(ctx, x_fit, x_eval, ctx.fraction)
@@ -212,14 +213,15 @@ def _rana_mlp(ctx: LayerContext, stats: dict[str, InputStats], *, allow_sparse: 
         raise NotImplementedError("fused gate_up projections are handled by their architecture file")
     mlp, up, gate, down, act = _mlp_parts(ctx)
     s = stats["mlp_in"]
-    x_fit, x_eval = _fit_eval(ctx, s)
+    x_fit, x_eval = s.cached(("rows", ctx.fit_sample_tokens, ctx.search_tokens), lambda: _fit_eval(ctx, s))
     comps = {}
     for name, lin in (("up", up), ("gate", gate)):
         if lin is None:
             continue
-        dec = decompose(lin.weight, s.moment)
-        comps[name] = (dec, MlpComponent(weight=lin.weight.detach(), U=dec.U, allow_sparse=allow_sparse,
-                                         stats=code_stats(x_fit, x_eval, lin.weight, dec.U.T @ lin.weight.detach().double())))
+        dec = s.cached(("dec", id(lin.weight)), lambda: decompose(lin.weight, s.moment))
+        codes = s.cached(("codes", id(lin.weight)),
+                         lambda: code_stats(x_fit, x_eval, lin.weight, dec.U.T @ lin.weight.detach().double()))
+        comps[name] = (dec, MlpComponent(weight=lin.weight.detach(), U=dec.U, allow_sparse=allow_sparse, stats=codes))
     d_out, inter = down.weight.shape
     dense_mlp = float(inter * d_out * (3 if gate is not None else 2))
     budget = ctx.fraction * dense_mlp

@@ -136,3 +136,32 @@ def test_adapted_fraction_reproduces_paper_llama2_7b_split():
     adapted = 32 * sum(dense_layer_macs(d)[k] for k in ("q", "k", "v", "up", "gate", "down"))
     f = adapted_fraction(0.58, dense["total"], adapted)
     assert 1 - f == pytest.approx(0.47, abs=0.01)
+
+
+def test_allocator_hits_budget_and_respects_dense_cap():
+    from rana.math.allocate import ErrorCurve, allocate
+
+    g = torch.Generator().manual_seed(9)
+    curves = []
+    for b in range(12):
+        fr = (0.2, 0.35, 0.5, 0.7, 1.0)
+        scale = float(torch.rand(1, generator=g)) * 3 + 0.1
+        errs = tuple(scale * (1 - f) ** 2 for f in fr)
+        curves.append(ErrorCurve(fr, errs, dense_macs=float(100 + 50 * b)))
+    dense = sum(c.dense_macs for c in curves)
+    for target in (0.3, 0.55, 0.8):
+        fr = allocate(curves, target * dense)
+        spent = sum(f * c.dense_macs for f, c in zip(fr, curves))
+        assert spent == pytest.approx(target * dense, rel=0.01)
+        assert all(0.2 - 1e-9 <= f <= 1.0 for f in fr)
+
+
+def test_allocator_gives_fragile_block_more_budget():
+    from rana.math.allocate import ErrorCurve, allocate, total_error
+
+    fr = (0.2, 0.4, 0.6, 0.8, 1.0)
+    robust = ErrorCurve(fr, tuple(0.1 * (1 - f) for f in fr), 100.0)
+    fragile = ErrorCurve(fr, tuple(5.0 * (1 - f) for f in fr), 100.0)
+    out = allocate([robust, fragile, robust], 0.6 * 300)
+    assert out[1] > out[0] and out[1] > out[2]
+    assert total_error([robust, fragile, robust], out) < total_error([robust, fragile, robust], [0.6] * 3)

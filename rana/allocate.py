@@ -1,0 +1,117 @@
+"""`--allocation global`: measure how each block's error grows as its budget shrinks, then
+split the model's budget across layers and between attention and MLP (rana.math.allocate).
+
+Profiling runs the dense model layer by layer on part of the calibration fit tokens, and for
+each block runs the method's own search at a few budget fractions (a coarser MLP grid), on
+shallow copies of the layer that share its weights — so decompositions are computed once per
+block and reused across fractions. The sequential compression then runs as usual, each block
+with its allocated fraction; the per-layer search of the paper stays inside each share.
+"""
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass
+
+import torch
+import torch.nn as nn
+
+from .archs import ArchSpec, decoder_layers
+from .calibrate import LayerInputs, collect_inputs, run_layer, _layer_output, _to
+from .math.allocate import ErrorCurve, allocate
+from .methods import LayerContext, Method, role_path
+
+PROFILE_MULTIPLIERS = (0.5, 0.75, 1.0, 1.35)
+
+
+@dataclass
+class Allocation:
+    fractions: list[dict[str, float]]  # per layer: step name → fraction of that block's dense cost
+    curves: list[dict[str, dict]]  # per layer: step name → {"fractions", "errors", "weight"}
+    uniform_fraction: float
+
+    def to_dict(self) -> dict:
+        return {"uniform_fraction": self.uniform_fraction, "fractions": self.fractions, "curves": self.curves}
+
+
+def _shared_copy(layer: nn.Module) -> nn.Module:
+    """A structural copy of `layer` whose parameters and buffers are the same tensors."""
+    memo = {id(t): t for t in list(layer.parameters()) + list(layer.buffers())}
+    return copy.deepcopy(layer, memo)
+
+
+@torch.no_grad()
+def _block_energies(layer: nn.Module, spec: ArchSpec, inputs: LayerInputs, device) -> dict[str, float]:
+    """Mean ‖block output added to the residual‖² per block, and of the layer output."""
+    sums = {"attention": 0.0, "mlp": 0.0, "residual": 0.0}
+    names = {"attention": spec.attn_post_norm or spec.attn, "mlp": spec.mlp_post_norm or spec.mlp}
+
+    def hook(kind):
+        def fn(_m, _args, out):
+            y = out[0] if isinstance(out, tuple) else out
+            sums[kind] += float(y.float().pow(2).sum())
+        return fn
+
+    handles = [layer.get_submodule(p).register_forward_hook(hook(k)) for k, p in names.items()]
+    tokens = 0
+    try:
+        for h, kw in zip(inputs.hidden, inputs.kwargs):
+            y = _layer_output(layer(h.to(device), **_to(kw, device)))
+            sums["residual"] += float(y.float().pow(2).sum())
+            tokens += y.shape[0] * y.shape[1]
+    finally:
+        for hd in handles:
+            hd.remove()
+    return {k: v / max(tokens, 1) for k, v in sums.items()}
+
+
+def profile_and_allocate(model: nn.Module, spec: ArchSpec, method: Method, fit: LayerInputs, held: LayerInputs,
+                         uniform_fraction: float, dense_per_layer: list[dict], *, step_names: list[str],
+                         fit_sample_tokens: int, search_tokens: int, device, offload, step_error,
+                         profile_share: float = 0.5, progress=None) -> Allocation:
+    """Error curves for every block, then the greedy allocation of the same total budget."""
+    layers = decoder_layers(model, spec)
+    n_fit = max(1, int(round(len(fit.hidden) * profile_share)))
+    fit = LayerInputs(fit.hidden[:n_fit], fit.kwargs[:n_fit])
+    roles = sorted({r for st in method.steps for r in st.targets})
+    moments = tuple(sorted({r for st in method.steps for r in st.moments}))
+    lo = method.min_fraction + 1e-3
+    fractions = sorted({min(1.0, max(lo, uniform_fraction * m)) for m in PROFILE_MULTIPLIERS} - {1.0})
+    curves, blocks, per_layer_curves = [], [], []
+    for idx, layer in enumerate(layers):
+        layer.to(device)
+        targets = {r: layer.get_submodule(role_path(spec, r)) for r in roles}
+        stats = collect_inputs(layer, fit, held, targets, device=device, stop_at=None, second_moment=moments,
+                               fit_sample_tokens=fit_sample_tokens, layer_index=idx)
+        energy = _block_energies(layer, spec, held, device)
+        layer_curves = {}
+        for step, name in zip(method.steps, step_names):
+            dense_cost = sum(dense_per_layer[idx][p] for p in method.adapted_parts if _part_step(p) == name)
+            errors = []
+            for f in fractions:
+                work = _shared_copy(layer)
+                ctx = LayerContext(index=idx, layer=work, spec=spec, fraction=f, fit_sample_tokens=fit_sample_tokens,
+                                   search_tokens=search_tokens, grid_step=0.25)
+                measure = step_error(ctx, name, stats, device)
+                step.apply(ctx, stats)
+                errors.append(measure())
+            weight = energy[name] / max(energy["residual"], 1e-30)
+            weighted = tuple(weight * e for e in errors) + (0.0,)
+            curves.append(ErrorCurve(tuple(fractions) + (1.0,), weighted, dense_cost))
+            blocks.append((idx, name))
+            layer_curves[name] = {"fractions": list(fractions) + [1.0], "errors": errors + [0.0], "weight": weight}
+        fit = run_layer(layer, fit, device=device, offload=offload)
+        held = run_layer(layer, held, device=device, offload=offload)
+        layer.to(offload)
+        per_layer_curves.append(layer_curves)
+        if progress:
+            progress("profiling", idx + 1, len(layers))
+    budget = uniform_fraction * sum(c.dense_macs for c in curves)
+    chosen = allocate(curves, budget)
+    per_layer = [dict() for _ in layers]
+    for (idx, name), f in zip(blocks, chosen):
+        per_layer[idx][name] = f
+    return Allocation(fractions=per_layer, curves=per_layer_curves, uniform_fraction=uniform_fraction)
+
+
+def _part_step(part: str) -> str:
+    return "mlp" if part in ("up", "gate", "down") else "attention"
