@@ -71,7 +71,10 @@ def main() -> None:
     p.add_argument("--laurel-rank", type=int, default=16)
     p.add_argument("--lora-r", type=int, default=16)
     p.add_argument("--variants", default="lora,lora+laurel,full")
+    p.add_argument("--threads", type=int, default=0, help="torch intra-op threads (0: torch's default)")
     args = p.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
     torch.manual_seed(0)
     rana_dir = compressed_dir(args)
     plan = json.loads((rana_dir / "plan.json").read_text())

@@ -4,6 +4,7 @@ from __future__ import annotations
 import typer
 
 from . import compress as compress_cmd
+from . import evaluate_cmd, export_cmd, finetune_cmd, sweep_cmd
 from .common import setup_environment
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
@@ -20,16 +21,8 @@ def _root(version: bool = typer.Option(False, "--version", help="print the versi
         raise typer.Exit()
 
 
-compress_cmd.register(app)
-
-for _name in ("evaluate_cmd", "sweep_cmd", "finetune_cmd", "export_cmd"):
-    try:
-        _module = __import__(f"{__package__}.{_name}", fromlist=["register"])
-    except ModuleNotFoundError as _e:  # a command module not present in this build
-        if _name not in str(_e):
-            raise
-        continue
-    _module.register(app)
+for _command in (compress_cmd, evaluate_cmd, sweep_cmd, finetune_cmd, export_cmd):
+    _command.register(app)
 
 
 def main() -> None:

@@ -60,6 +60,10 @@ def register(app: typer.Typer) -> None:
         grid_step: float = typer.Option(0.125, help="MLP budget-split grid step (paper's grid search)"),
         seed: int = typer.Option(0),
         overwrite: bool = typer.Option(False, help="replace an existing --out folder"),
+        max_memory: Optional[str] = typer.Option(None, "--max-memory", help="cap on the compute device's memory, e.g. 2GB or 80GiB: "
+                                                 "checked against one layer's need before any work; on a CPU device a bigger checkpoint is streamed from disk"),
+        offload_dir: Optional[Path] = typer.Option(None, "--offload-dir", help="stream the decoder layers from the checkpoint's safetensors "
+                                                   "one at a time; compressed layers and calibration activations are kept here"),
     ) -> None:
         """Compress a model with RaNA adapters to a model-level FLOP budget."""
         from rana.compress import compress as run
@@ -74,11 +78,16 @@ def register(app: typer.Typer) -> None:
                           "prefer names without dots")
         config = CompressConfig(model=model, flops=flops, method=method, dataset=dataset, dataset_config=dataset_config,
                                 split=split, text_column=text_column, calib_tokens=calib_tokens, seq_len=seq_len,
-                                batch_size=batch_size, dtype=dtype, device=device, grid_step=grid_step, seed=seed)
+                                batch_size=batch_size, dtype=dtype, device=device, grid_step=grid_step, seed=seed,
+                                max_memory=max_memory, offload_dir=str(offload_dir) if offload_dir else None)
         config.validate()
         resolve(model)  # fail fast on an unknown model, before any work starts
         with LazyProgress(f"compressing {model}") as progress:
             result = run(config, progress=progress)
+        from rana.distributed import is_main_process
+
+        if not is_main_process():  # `accelerate launch`: every process holds the same model; one writes it
+            return
         save(result.model, result.tokenizer, out, plan=result.plan, overwrite=overwrite,
              extra={"method": config.method, "compress_config": config.to_dict()})
         stdout.print(plan_table(result.plan))

@@ -19,8 +19,11 @@ def register(app: typer.Typer) -> None:
         max_shard_size: str = typer.Option("2GB", "--max-shard-size", help="split the safetensors weights past this size (e.g. 500MB, 2GB)"),
     ) -> None:
         """Export a compressed model as a folder that loads in plain transformers, without rana installed."""
+        from transformers.utils import logging as hf_logging
+
         from rana.export import export as run
 
+        hf_logging.disable_progress_bar()  # save_pretrained's shard bar; the status line says what runs
         with console.status(f"exporting {src}"):
             path = run(src, out, overwrite=overwrite, max_shard_size=max_shard_size)
         shards = sorted(path.glob("*.safetensors"))

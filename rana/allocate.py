@@ -65,7 +65,7 @@ def _block_energies(layer: nn.Module, spec: ArchSpec, inputs: LayerInputs, devic
 
 
 def profile_and_allocate(model: nn.Module, spec: ArchSpec, method: Method, fit: LayerInputs, held: LayerInputs,
-                         uniform_fraction: float, dense_per_layer: list[dict], *, step_names: list[str],
+                         uniform_fraction: float, dense_per_layer: list[dict], *,
                          fit_sample_tokens: int, search_tokens: int, device, offload, step_error,
                          profile_share: float = 0.5, progress=None) -> Allocation:
     """Error curves for every block, then the greedy allocation of the same total budget."""
@@ -84,7 +84,8 @@ def profile_and_allocate(model: nn.Module, spec: ArchSpec, method: Method, fit: 
                                fit_sample_tokens=fit_sample_tokens, layer_index=idx)
         energy = _block_energies(layer, spec, held, device)
         layer_curves = {}
-        for step, name in zip(method.steps, step_names):
+        for name in dict.fromkeys(step.block for step in method.steps):
+            steps = [st for st in method.steps if st.block == name]
             dense_cost = sum(dense_per_layer[idx][p] for p in method.adapted_parts if _part_step(p) == name)
             errors = []
             for f in fractions:
@@ -92,7 +93,8 @@ def profile_and_allocate(model: nn.Module, spec: ArchSpec, method: Method, fit: 
                 ctx = LayerContext(index=idx, layer=work, spec=spec, fraction=f, fit_sample_tokens=fit_sample_tokens,
                                    search_tokens=search_tokens, grid_step=0.25)
                 measure = step_error(ctx, name, stats, device)
-                step.apply(ctx, stats)
+                for st in steps:
+                    st.apply(ctx, stats)
                 errors.append(measure())
             weight = energy[name] / max(energy["residual"], 1e-30)
             weighted = tuple(weight * e for e in errors) + (0.0,)

@@ -8,10 +8,12 @@ capture the first layer's inputs, then each layer is called directly.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Callable
 
 import torch
 import torch.nn as nn
 
+from . import distributed
 from .archs import ArchSpec, decoder_layers
 
 
@@ -30,6 +32,8 @@ class LayerInputs:
 
     hidden: list[torch.Tensor]
     kwargs: list[dict]
+    # applied to each layer output kept between layers (e.g. spill it to a memory-mapped file)
+    spill: Callable[[torch.Tensor], torch.Tensor] | None = None
 
     @property
     def tokens(self) -> int:
@@ -48,33 +52,94 @@ def _to(obj, device):
     return obj
 
 
+_CACHE_KWARGS = ("past_key_values", "past_key_value", "layer_past", "use_cache")
+
+
+class LayerKwargs(dict):
+    """The keyword arguments the model passes the current decoder layer for one batch, knowing
+    those of every layer: sliding-window and global layers get different masks (Gemma 2/3) and
+    rotary embeddings (Gemma 3), so `advance()` gives the next layer's. Layers of one type share
+    the same dict. `batch_id` / `role` place the batch in the global calibration set when it is
+    split across processes (`rana.distributed`; role None: single process)."""
+
+    def __init__(self, per_layer: list[dict], layer: int = 0, batch_id: int | None = None, role: str | None = None):
+        super().__init__(per_layer[layer])
+        self.per_layer, self.layer, self.batch_id, self.role = per_layer, layer, batch_id, role
+
+    def advance(self) -> "LayerKwargs":
+        return LayerKwargs(self.per_layer, min(self.layer + 1, len(self.per_layer) - 1), self.batch_id, self.role)
+
+
+def _same_value(a, b) -> bool:
+    if torch.is_tensor(a) or torch.is_tensor(b):
+        return a is b
+    if isinstance(a, (tuple, list)) and isinstance(b, (tuple, list)):
+        return type(a) is type(b) and len(a) == len(b) and all(_same_value(x, y) for x, y in zip(a, b))
+    if isinstance(a, dict) and isinstance(b, dict):
+        return a.keys() == b.keys() and all(_same_value(a[k], b[k]) for k in a)
+    try:
+        return bool(a == b)
+    except Exception:  # noqa: BLE001 - objects without a usable ==
+        return a is b
+
+
+def _share_per_layer(raw: list[dict], offload: torch.device) -> list[dict]:
+    """Move each layer's kwargs to `offload`, one copy per distinct set (layer type)."""
+    unique: list[tuple[dict, dict]] = []
+    out = []
+    for kw in raw:
+        for seen, moved in unique:
+            if _same_value(seen, kw):
+                out.append(moved)
+                break
+        else:
+            moved = _to(kw, offload)
+            unique.append((kw, moved))
+            out.append(moved)
+    return out
+
+
 @torch.no_grad()
 def capture_first_layer_inputs(model: nn.Module, spec: ArchSpec, sequences: torch.Tensor, *, batch_size: int,
                                device: torch.device, offload: torch.device) -> LayerInputs:
-    """Run the model's embedding stage and stop at decoder layer 0, keeping its inputs."""
-    layer0 = decoder_layers(model, spec)[0]
-    captured: dict = {}
+    """Run the model's embedding stage with every decoder layer stubbed out (its forward only
+    records its keyword arguments and passes the hidden states on; nothing after the last layer
+    runs), keeping layer 0's inputs and every layer's kwargs. The decoder layers are never
+    computed, so their weights may be anywhere (offload device, or not loaded at all).
 
-    def grab(_module, args, kwargs):
-        hidden = args[0] if args else kwargs.pop("hidden_states")
-        kwargs = {k: v for k, v in kwargs.items() if k not in ("past_key_values", "past_key_value", "use_cache")}
-        captured["hidden"] = hidden.to(offload)
-        captured["kwargs"] = _to(kwargs, offload)
-        raise _Stop
+    Under `rana.distributed`, each process keeps only its share of the batches."""
+    layers = decoder_layers(model, spec)
+    n_layers = len(layers)
+    record: dict = {}
 
-    handle = layer0.register_forward_pre_hook(grab, with_kwargs=True)
+    def stub(i: int):
+        def forward(*args, **kwargs):
+            hidden = args[0] if args else kwargs.pop("hidden_states")
+            if i == 0:
+                record["hidden"] = hidden
+            record[i] = {k: v for k, v in kwargs.items() if k not in _CACHE_KWARGS}
+            if i == n_layers - 1:
+                raise _Stop
+            return hidden
+        return forward
+
+    for i, layer in enumerate(layers):
+        layer.forward = stub(i)
     hidden, kwargs = [], []
+    n_batches = (sequences.shape[0] + batch_size - 1) // batch_size
     try:
-        for start in range(0, sequences.shape[0], batch_size):
-            batch = sequences[start:start + batch_size].to(device)
+        for b, role in distributed.local_batches(n_batches):
+            batch = sequences[b * batch_size:(b + 1) * batch_size].to(device)
+            record.clear()
             try:
                 model(input_ids=batch, use_cache=False)
             except _Stop:
                 pass
-            hidden.append(captured["hidden"])
-            kwargs.append(captured["kwargs"])
+            hidden.append(record["hidden"].to(offload))
+            kwargs.append(LayerKwargs(_share_per_layer([record[i] for i in range(n_layers)], offload), 0, b, role))
     finally:
-        handle.remove()
+        for layer in layers:
+            layer.__dict__.pop("forward", None)
     return LayerInputs(hidden=hidden, kwargs=kwargs)
 
 
@@ -87,9 +152,10 @@ def run_layer(layer: nn.Module, inputs: LayerInputs, *, device: torch.device, of
     """Push the hidden states through one (possibly compressed) layer."""
     out = []
     for h, kw in zip(inputs.hidden, inputs.kwargs):
-        y = _layer_output(layer(h.to(device), **_to(kw, device)))
-        out.append(y.to(offload))
-    return LayerInputs(hidden=out, kwargs=inputs.kwargs)
+        y = _layer_output(layer(h.to(device), **_to(kw, device))).to(offload)
+        out.append(inputs.spill(y) if inputs.spill is not None else y)
+    nxt = [kw.advance() if isinstance(kw, LayerKwargs) else kw for kw in inputs.kwargs]
+    return LayerInputs(hidden=out, kwargs=nxt, spill=inputs.spill)
 
 
 @dataclass
@@ -140,7 +206,8 @@ def collect_inputs(
     it is needed), which skips e.g. the MLP when only attention inputs are wanted.
     """
     stats = {name: InputStats() for name in targets}
-    phase = {"eval": False, "moment": True, "sample": True}
+    phase = {"eval": False, "moment": True, "sample": True, "batch": None}
+    row_ids = {name: {"fit": [], "eval": []} for name in targets}  # global batch id of each row chunk
 
     def make_hook(name: str, module: nn.Module):
         def hook(_m, args, kwargs):
@@ -153,6 +220,7 @@ def collect_inputs(
             s = stats[name]
             if phase["eval"]:
                 s.eval_rows.append(x2.float().cpu())
+                row_ids[name]["eval"].append(phase["batch"])
             else:
                 if phase["moment"] and name in second_moment:
                     xd = x2.float()
@@ -161,6 +229,7 @@ def collect_inputs(
                     s.count += x2.shape[0]
                 if phase["sample"]:
                     s.fit_rows.append(x2.float().cpu())
+                    row_ids[name]["fit"].append(phase["batch"])
             if module is stop_at:
                 raise _Stop
         return hook
@@ -175,6 +244,10 @@ def collect_inputs(
                 # the last n_thr fit batches feed thresholds only; the rest feed C
                 phase["moment"] = n_thr == 0 or b < n_fit - n_thr
                 phase["sample"] = n_thr == 0 or b >= n_fit - n_thr
+                role = getattr(kw, "role", None)  # set when the batches are split across processes
+                if role is not None:
+                    phase["moment"], phase["sample"] = role in ("moment", "both"), role in ("sample", "both")
+                phase["batch"] = getattr(kw, "batch_id", None)
                 try:
                     layer(h.to(device), **_to(kw, device))
                 except _Stop:
@@ -182,4 +255,7 @@ def collect_inputs(
     finally:
         for hd in handles:
             hd.remove()
+    if distributed.active():  # pool moments and sample / held-aside rows over processes
+        dims = {n: getattr(m, "in_features", None) for n, m in targets.items()}
+        distributed.reduce_stats(stats, row_ids, dims, second_moment)
     return stats

@@ -11,13 +11,14 @@ import torch
 import torch.nn as nn
 
 from .accounting import dense_macs, dense_macs_per_layer, measured_macs, metered_modules
-from .archs import decoder_layers, get_arch
+from .archs import UnsupportedArchitectureError, decoder_layers, get_arch
 from .calibrate import LayerInputs, capture_first_layer_inputs, collect_inputs, run_layer
 from .config import CompressConfig
 from .loading import DTYPES, load_model
 from .math.flops import adapted_fraction
 from .allocate import profile_and_allocate
-from .methods import LayerContext, Method, _qkv_modules, _relative_error, get_method, role_path
+from .methods import LayerContext, Method, _qkv_modules, _relative_error, get_method, role_path, unsupported_reason
+from .offload import Residency, load_for_compression
 
 
 class BudgetError(ValueError):
@@ -33,6 +34,8 @@ class CompressResult:
 
 def budget_for(model_config, method: Method, target: float, seq_len: int) -> tuple[float, dict]:
     """The fraction of the adapted parts' dense cost that makes the whole model spend `target`."""
+    if (problem := unsupported_reason(method.name, get_arch(model_config))) is not None:
+        raise UnsupportedArchitectureError(problem)
     dense = dense_macs(model_config, seq_len)
     per_layer = dense_macs_per_layer(model_config, seq_len)
     adapted = sum(d[p] for d in per_layer for p in method.adapted_parts)
@@ -73,39 +76,42 @@ def compress_model(model: nn.Module, tokenizer, config: CompressConfig, calibrat
     fraction, budget_info = budget_for(model.config, method, config.flops, config.seq_len)
     device, offload = torch.device(config.device), torch.device(config.offload_device)
     layers = decoder_layers(model, spec)
-    for name, child in model.named_children():  # everything but the decoder stack on the device
-        child.to(device)
-    layers.to(offload)
+    # everything but the decoder stack on the device; the stack in host RAM or on disk (rana.offload)
+    residency = Residency.create(model, spec, config, device, offload)
     dtype = DTYPES[config.dtype]
     t0 = time.perf_counter()
     fit = capture_first_layer_inputs(model, spec, calibration.fit, batch_size=config.batch_size, device=device, offload=offload)
     held = capture_first_layer_inputs(model, spec, calibration.heldout, batch_size=config.batch_size, device=device, offload=offload)
+    fit, held = residency.adopt(fit), residency.adopt(held)
     allocation = None
     if config.allocation == "global" and fraction < 1.0:
         allocation = profile_and_allocate(model, spec, method, fit, held, fraction, dense_macs_per_layer(model.config, config.seq_len),
-                                          step_names=_step_names(method), fit_sample_tokens=config.fit_sample_tokens,
+                                          fit_sample_tokens=config.fit_sample_tokens,
                                           search_tokens=config.search_tokens, device=device, offload=offload,
                                           step_error=_step_error, progress=progress)
     t_profile = time.perf_counter() - t0
     layer_plans = []
     for idx, layer in enumerate(layers):
-        layer.to(device)
+        residency.bring(idx, layer)
         ctx = LayerContext(index=idx, layer=layer, spec=spec, fraction=fraction, fit_sample_tokens=config.fit_sample_tokens,
                            search_tokens=config.search_tokens, grid_step=config.grid_step, dtype=dtype)
         entry = {"layer": idx}
-        for step, step_name in zip(method.steps if fraction < 1.0 else [], _step_names(method)):
-            ctx.fraction = allocation.fractions[idx][step_name] if allocation else fraction
+        measures = {}
+        for step in method.steps if fraction < 1.0 else []:
+            ctx.fraction = allocation.fractions[idx][step.block] if allocation else fraction
             if ctx.fraction >= 1.0:
                 continue
             targets = {role: layer.get_submodule(role_path(spec, role)) for role in step.targets}
             stats = collect_inputs(layer, fit, held, targets, device=device, stop_at=targets[step.stop],
                                    second_moment=step.moments, fit_sample_tokens=config.fit_sample_tokens, layer_index=idx)
-            measure = _step_error(ctx, step_name, stats, device)
-            result = step.apply(ctx, stats)
-            result["heldout_error"] = measure()
-            result["budget_fraction"] = ctx.fraction
-            entry[step_name] = result
+            if step.block not in measures:  # snapshot the dense block before its first step
+                measures[step.block] = _step_error(ctx, step.block, stats, device)
+            _merge(entry.setdefault(step.block, {"components": {}, "expected_macs": 0.0, "dense_macs": 0.0}),
+                   step.apply(ctx, stats))
+            entry[step.block]["budget_fraction"] = ctx.fraction
             del stats
+        for block, measure in measures.items():
+            entry[block]["heldout_error"] = measure()
         for m in metered_modules(layer).values():  # measure masks on held-aside tokens as they flow
             m.reset_meter()
             m.meter_on = True
@@ -113,7 +119,7 @@ def compress_model(model: nn.Module, tokenizer, config: CompressConfig, calibrat
         for m in metered_modules(layer).values():
             m.meter_on = False
         fit = run_layer(layer, fit, device=device, offload=offload)
-        layer.to(offload)
+        residency.release(idx, layer)
         layer_plans.append(entry)
         if progress:
             progress("layers", idx + 1, len(layers))
@@ -134,12 +140,16 @@ def compress_model(model: nn.Module, tokenizer, config: CompressConfig, calibrat
         "allocation_profile_s": t_profile if allocation else 0.0,
         "layers": layer_plans,
     }
-    model.to(device)
+    residency.finish(model, plan)
     return CompressResult(model=model, tokenizer=tokenizer, plan=plan)
 
 
-def _step_names(method: Method) -> list[str]:
-    return ["attention", "mlp"] if len(method.steps) == 2 else ["mlp"]
+def _merge(block: dict, result: dict) -> None:
+    """Fold one step's result into its block's plan entry."""
+    block["components"].update(result.pop("components", {}))
+    block["expected_macs"] += result.pop("expected_macs", 0.0)
+    block["dense_macs"] += result.pop("dense_macs", 0.0)
+    block.update(result)
 
 
 def _attach_measurements(layer_plans: list[dict], layers_path: str, modules: dict) -> None:
@@ -175,10 +185,22 @@ def calibration_data(config: CompressConfig, tokenizer):
         return attempt(None)
 
 
+def setup_distributed(config: CompressConfig) -> CompressConfig:
+    """Under `accelerate launch` / `torchrun` (WORLD_SIZE > 1): join the process group and give
+    this process its own device; the calibration batches are then split across processes."""
+    from dataclasses import replace
+
+    from .distributed import setup_from_env
+
+    device = setup_from_env(config.device)
+    return config if device == config.device else replace(config, device=device)
+
+
 def compress(config: CompressConfig, progress: Callable[[str, int, int], None] | None = None) -> CompressResult:
     """Load the model and calibration data named by `config`, then compress."""
     config.validate()
-    model, tokenizer, _ = load_model(config.model, dtype=config.dtype, device="cpu")
+    config = setup_distributed(config)
+    model, tokenizer = load_for_compression(config)  # host RAM, or streamed from disk (rana.offload)
     get_arch(model.config)  # fail fast on unsupported architectures
     get_method(config.method)
     budget_for(model.config, get_method(config.method), config.flops, config.seq_len)

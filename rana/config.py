@@ -26,10 +26,12 @@ class CompressConfig:
     device: str = "cpu"
     offload_device: str = "cpu"
     grid_step: float = 0.125
-    fit_sample_tokens: int = 1536
+    fit_sample_tokens: int = 1024
     search_tokens: int = 1024
     seed: int = 0
     allocation: str = "uniform"  # "uniform" (paper: same fraction everywhere) or "global" (measured sensitivity)
+    max_memory: str | None = None  # cap on compute-device memory, e.g. "2GB" (rana.offload)
+    offload_dir: str | None = None  # stream layers from disk; compressed layers + activations kept here
 
     def validate(self) -> None:
         if not 0.0 < self.flops <= 1.0:
@@ -38,6 +40,10 @@ class CompressConfig:
             raise ValueError(f"unknown method '{self.method}' (choose from {', '.join(METHODS)})")
         if self.allocation not in ("uniform", "global"):
             raise ValueError(f"unknown allocation '{self.allocation}' (choose uniform or global)")
+        if self.max_memory is not None:
+            from .offload import parse_memory
+
+            parse_memory(self.max_memory)
         if self.seq_len < 8:
             raise ValueError(f"--seq-len must be at least 8, got {self.seq_len}")
         if self.calib_tokens < 2 * self.seq_len:

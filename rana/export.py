@@ -274,12 +274,34 @@ def exported_config(saved: dict, meta: dict, config, model_cls: type) -> dict:
         "auto_map": {"AutoConfig": f"{CONFIG_FILE[:-3]}.{config_name}",
                      "AutoModelForCausalLM": f"{MODELING_FILE[:-3]}.{model_name}"},
         "dtype": meta.get("dtype", "float32"),
+        "torch_dtype": meta.get("dtype", "float32"),  # what transformers < 5 reads
+        "rana_version": _rana_version(),
         "rana_format_version": meta.get("format_version"),
         "rana_adapters": meta["adapters"],
         "rana_laurel": meta.get("laurel") or None,
     })
-    out.pop("torch_dtype", None)
     return dict(sorted(out.items()))
+
+
+def _rana_version() -> str | None:
+    try:
+        from importlib.metadata import version
+
+        return version("rana")
+    except Exception:  # not installed as a distribution
+        return None
+
+
+def _normal_permissions(folder: Path) -> None:
+    """mkdtemp folders (and some writers' files) are private; give the export the usual umask modes."""
+    import os
+
+    umask = os.umask(0)
+    os.umask(umask)
+    folder.chmod(0o777 & ~umask)
+    for f in folder.iterdir():
+        if f.is_file():
+            f.chmod(0o666 & ~umask)
 
 
 def export(src_dir: str | Path, out_dir: str | Path, *, overwrite: bool = False,
@@ -313,6 +335,7 @@ def export(src_dir: str | Path, out_dir: str | Path, *, overwrite: bool = False,
             (tmp / name).write_text(text, encoding="utf-8")
         config = exported_config(saved, meta, model.config, type(model))
         (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+        _normal_permissions(tmp)
     return out
 
 

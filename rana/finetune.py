@@ -14,6 +14,14 @@ accelerate config): model, optimizer, data loader and scheduler go through ``Acc
 checkpoints are ``accelerator.save_state`` folders plus a ``trainer_state.json``, logging and file
 writes happen on the main process only.
 
+Launching several processes: ``accelerate launch --num_processes N -m rana.cli finetune ...`` (GPUs: DDP; an
+accelerate config file selects FSDP — with ``use_orig_params: true``, LoRA leaves most weights frozen — or
+DeepSpeed; those two paths are written to accelerate's API but untested here). On a machine without GPUs
+accelerate's ``--cpu`` launcher starts a single process unless MPI is set up; use
+``accelerate launch --multi_gpu --num_processes N ...`` (or ``torchrun``) instead: when several processes find
+no GPU, finetune switches accelerate to CPU mode itself (DDP over gloo). Do not create a ``PartialState`` /
+``Accelerator`` before calling :func:`finetune` in such a job (it would fix the state to one process).
+
 Data order is fixed up front: the training blocks are shuffled once per epoch from ``seed`` and laid
 out for the whole run, and the prepared loader walks that list. Resuming therefore only has to skip
 the batches already consumed (``accelerator.skip_first_batches``); optimizer, scheduler and RNG states

@@ -26,6 +26,7 @@ from .modules import (CatsActivation, InputSparseLinear, NeuronThresholdLinear, 
 from .modules.common import column_major_linear
 
 WEIGHTS = "model.safetensors"
+WEIGHTS_INDEX = "model.safetensors.index.json"  # sharded layout, written for models compressed from disk
 RANA_CONFIG = "rana_config.json"
 PLAN = "plan.json"
 
@@ -114,7 +115,8 @@ def _state_dict_for_saving(model: nn.Module) -> dict[str, torch.Tensor]:
     sd = model.state_dict()
     if getattr(model.config, "tie_word_embeddings", False):
         out_emb = model.get_output_embeddings()
-        tied = [k for k, v in sd.items() if out_emb is not None and v is out_emb.weight and k.endswith("weight")
+        tied = [k for k, v in sd.items() if out_emb is not None and v.device.type != "meta"
+                and v.data_ptr() == out_emb.weight.data_ptr() and k.endswith("weight")
                 and k.startswith(get_arch(model.config).lm_head)]
         for k in tied:
             sd.pop(k)
@@ -131,12 +133,29 @@ def save(model: nn.Module, tokenizer, out: Path, *, plan: dict | None = None, ex
             tokenizer.save_pretrained(tmp)
         if getattr(model, "generation_config", None) is not None:
             model.generation_config.save_pretrained(tmp)
-        save_file(_state_dict_for_saving(model), str(tmp / WEIGHTS), metadata={"format": "pt"})
+        offloaded = getattr(model, "_rana_offloaded", None)  # layers compressed to disk one by one (rana.offload)
+        if offloaded is not None:
+            offloaded.write_weights(tmp, _state_dict_for_saving(model))
+            adapters = offloaded.adapter_specs()
+        else:
+            save_file(_state_dict_for_saving(model), str(tmp / WEIGHTS), metadata={"format": "pt"})
+            adapters = adapter_specs(model)
         write_json(tmp / RANA_CONFIG, {"format_version": FORMAT_VERSION, "dtype": str(next(model.parameters()).dtype).removeprefix("torch."),
-                                       "adapters": adapter_specs(model), **(extra or {})})
+                                       "adapters": adapters, **(extra or {})})
         if plan is not None:
             write_json(tmp / PLAN, plan)
     return out
+
+
+def _load_weights(path: Path) -> dict[str, torch.Tensor]:
+    """One `model.safetensors`, or the shards named by `model.safetensors.index.json`."""
+    index = path / WEIGHTS_INDEX
+    if not index.exists():
+        return load_file(str(path / WEIGHTS))
+    state = {}
+    for name in sorted(set(json.loads(index.read_text())["weight_map"].values())):
+        state.update(load_file(str(path / name)))
+    return state
 
 
 def is_rana_dir(path: Path | str) -> bool:
@@ -158,7 +177,7 @@ def load(path: Path | str, *, device: str = "cpu", dtype: torch.dtype | None = N
     if meta.get("laurel"):
         from .modules.laurel import LaurelConfig, apply_laurel
         apply_laurel(model, LaurelConfig.from_dict(meta["laurel"]))
-    state = load_file(str(path / WEIGHTS))
+    state = _load_weights(path)
     missing, unexpected = model.load_state_dict(state, strict=False)
     missing = [k for k in missing if not (getattr(config, "tie_word_embeddings", False) and k.startswith(get_arch(config).lm_head))]
     if missing or unexpected:

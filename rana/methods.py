@@ -54,10 +54,15 @@ class LayerContext:
 
 @dataclass
 class Step:
+    """One calibrate-then-swap round inside a layer. Steps run in order, each calibrated on
+    the output of the ones before (e.g. o_proj's inputs come from the compressed q/k/v);
+    steps with the same `block` ("attention" or "mlp") report as one plan entry."""
+
     targets: tuple[str, ...]
     stop: str
     moments: tuple[str, ...]
     apply: Callable[[LayerContext, dict[str, InputStats]], dict]
+    block: str = "attention"
 
 
 @dataclass
@@ -148,7 +153,7 @@ def _install_sparse_qkv(ctx: LayerContext, picks) -> dict:
 
 
 def _rana_attention(ctx: LayerContext, stats: dict[str, InputStats], *, adaptive: bool = True,
-                    allow_sparse: bool = False, adapt_o: bool = False) -> dict:
+                    allow_sparse: bool = False) -> dict:
     mods = _qkv_modules(ctx)
     W, bias = _stacked([m for _, m in mods])
     o, i = W.shape
@@ -157,16 +162,13 @@ def _rana_attention(ctx: LayerContext, stats: dict[str, InputStats], *, adaptive
     dec = s.cached(("dec", key), lambda: decompose(W, s.moment))
     x_fit, x_eval = s.cached(("rows", ctx.fit_sample_tokens, ctx.search_tokens), lambda: _fit_eval(ctx, s))
     budget = ctx.fraction * o * i
-    extra = {}
-    if adapt_o:
-        extra["o"] = _o_sparse(ctx, stats["o"])
     if adaptive:
         cs = s.cached(("codes", key), lambda: code_stats(x_fit, x_eval, W, dec.U.T @ W.double()))
         choice = line_search_rank(cs, budget)
         if allow_sparse:
             sparse_err, sparse = _sparse_qkv(ctx, x_fit, x_eval, ctx.fraction)
             if sparse_err < choice.error:
-                return _summary({**_install_sparse_qkv(ctx, sparse["picks"]), **extra},
+                return _summary(_install_sparse_qkv(ctx, sparse["picks"]),
                                 choice={"qkv": "sparse", "sparse_error": sparse_err, "rank_error": choice.error})
         rank, t, active = choice.rank, choice.threshold, choice.expected_active
     else:  # static SVD: r (i + o) = budget
@@ -180,7 +182,7 @@ def _rana_attention(ctx: LayerContext, stats: dict[str, InputStats], *, adaptive
         path = f"{ctx.spec.attn}.{ctx.spec.qkv_fused or 'qkv_code'}"
         entry = _entry("rank", path=path, in_features=i, out_features=o, rank=rank, threshold=t, expected_active=active,
                        expected_macs=rank * i + o * active, dense_macs=float(o * i))
-    return _summary({"qkv": entry, **extra})
+    return _summary({"qkv": entry})
 
 
 def _o_sparse(ctx: LayerContext, s: InputStats) -> dict:
@@ -200,7 +202,7 @@ def _o_sparse(ctx: LayerContext, s: InputStats) -> dict:
 def _mlp_parts(ctx: LayerContext):
     spec = ctx.spec
     mlp = ctx.module(spec.mlp)
-    up = mlp.get_submodule(spec.up)
+    up = mlp.get_submodule(spec.up) if spec.up else None  # None when gate/up are fused
     gate = mlp.get_submodule(spec.gate) if spec.gate else None
     down = mlp.get_submodule(spec.down)
     act = mlp.get_submodule(spec.act)
@@ -210,7 +212,7 @@ def _mlp_parts(ctx: LayerContext):
 def _rana_mlp(ctx: LayerContext, stats: dict[str, InputStats], *, allow_sparse: bool = False) -> dict:
     spec = ctx.spec
     if spec.gate_up_fused:
-        raise NotImplementedError("fused gate_up projections are handled by their architecture file")
+        return _rana_mlp_fused(ctx, stats, allow_sparse=allow_sparse)
     mlp, up, gate, down, act = _mlp_parts(ctx)
     s = stats["mlp_in"]
     x_fit, x_eval = s.cached(("rows", ctx.fit_sample_tokens, ctx.search_tokens), lambda: _fit_eval(ctx, s))
@@ -255,6 +257,73 @@ def _rana_mlp(ctx: LayerContext, stats: dict[str, InputStats], *, allow_sparse: 
     return _summary(entries, shares=choice.shares, search_error=choice.error)
 
 
+def _fused_gate_up_act(act: Callable, inter: int) -> Callable[[torch.Tensor], torch.Tensor]:
+    """h = act(gate) * up from the fused [gate; up] output (Phi-3: `gate, up = y.chunk(2, -1)`)."""
+    return lambda y: act(y[..., :inter]) * y[..., inter:]
+
+
+def _rana_mlp_fused(ctx: LayerContext, stats: dict[str, InputStats], *, allow_sparse: bool = False) -> dict:
+    """RaNA on an MLP whose gate and up are one fused linear (`spec.gate_up_fused`, gate rows
+    first): the fused [W_gate; W_up] is ONE stacked rank adapter with one B-masker (as stacked
+    QKV), the down projection is neuron-thresholded, and the grid search splits the MLP budget
+    two ways (gate_up vs down) with h = act(gate) ⊙ up read off the fused output."""
+    spec = ctx.spec
+    mlp = ctx.module(spec.mlp)
+    lin, down, act = mlp.get_submodule(spec.gate_up_fused), mlp.get_submodule(spec.down), mlp.get_submodule(spec.act)
+    d_out, inter = down.weight.shape
+    o, i = lin.weight.shape
+    if o != 2 * inter:
+        raise ValueError(f"fused '{spec.gate_up_fused}' has {o} outputs, expected 2 × {inter} (gate then up)")
+    s = stats["mlp_in"]
+    x_fit, x_eval = s.cached(("rows", ctx.fit_sample_tokens, ctx.search_tokens), lambda: _fit_eval(ctx, s))
+    W = lin.weight.detach()
+    dec = s.cached(("dec", id(lin.weight)), lambda: decompose(W, s.moment))
+    codes = s.cached(("codes", id(lin.weight)), lambda: code_stats(x_fit, x_eval, W, dec.U.T @ W.double()))
+    comp = MlpComponent(weight=W, U=dec.U, allow_sparse=allow_sparse, stats=codes)
+    budget = ctx.fraction * float(3 * inter * d_out)
+    choice = grid_search_mlp(x_fit, x_eval, comp, None, down.weight.detach(), _fused_gate_up_act(act, inter), budget,
+                             step=ctx.grid_step)
+    rc, path = choice.up, f"{spec.mlp}.{spec.gate_up_fused}"
+    entries = {}
+    if rc.dense:
+        entries["gate_up"] = _entry("dense", in_features=i, out_features=o, expected_macs=float(o * i), dense_macs=float(o * i))
+    elif rc.kind == "sparse":
+        set_submodule(ctx.layer, path, NeuronThresholdLinear(W, lin.bias, rc.threshold))
+        entries["gate_up"] = _entry("sparse", path=path, in_features=i, out_features=o, threshold=rc.threshold,
+                                    expected_active=rc.expected_active, expected_macs=rc.macs, dense_macs=float(o * i),
+                                    line_search_error=rc.error)
+    else:
+        A, B = dec.factors(W, rc.rank)
+        dt = W.dtype
+        set_submodule(ctx.layer, path, RankAdapterLinear(A.to(dt), B.to(dt), lin.bias, rc.threshold))
+        entries["gate_up"] = _entry("rank", path=path, in_features=i, out_features=o, rank=rc.rank, threshold=rc.threshold,
+                                    expected_active=rc.expected_active, expected_macs=rc.macs, dense_macs=float(o * i),
+                                    line_search_error=rc.error)
+    set_submodule(mlp, spec.down, NeuronThresholdLinear(down.weight.detach(), down.bias, choice.down_threshold))
+    entries["down"] = _entry("neuron", path=f"{spec.mlp}.{spec.down}", in_features=inter, out_features=d_out,
+                             threshold=choice.down_threshold, expected_active=choice.down_active,
+                             expected_macs=choice.down_macs, dense_macs=float(inter * d_out))
+    return _summary(entries, shares=choice.shares, search_error=choice.error)
+
+
+def _proj_attr(spec: ArchSpec, name: str) -> str:
+    """MLP-relative attribute of a projection named up / gate / gate_up / down."""
+    return {"up": spec.up, "gate": spec.gate, "gate_up": spec.gate_up_fused, "down": spec.down}[name]
+
+
+def unsupported_reason(method_name: str, spec: ArchSpec) -> str | None:
+    """Why `method_name` cannot run on an architecture (None when it can)."""
+    if method_name == "cats":
+        arch = spec.model_types[0]
+        if spec.gate_up_fused:
+            return (f"method 'cats' thresholds act(gate·x) computed on its own, so it needs a separate gate projection; "
+                    f"'{arch}' fuses gate and up in '{spec.gate_up_fused}' — use --method rana, rana-paper, svd or teal")
+        if not spec.gate:
+            return (f"method 'cats' needs a gated MLP (act(gate·x) ⊙ up·x); '{arch}' has a non-gated MLP "
+                    "— use --method rana, rana-paper, svd or teal")
+    return None
+
+
 # ---------------------------------------------------------------------------- baselines
 
 
@@ -264,7 +333,9 @@ def _svd_mlp(ctx: LayerContext, stats: dict[str, InputStats]) -> dict:
     mlp, up, gate, down, act = _mlp_parts(ctx)
     s_in = stats["mlp_in"]
     entries = {}
-    for name, lin, C in (("up", up, s_in.moment), ("gate", gate, s_in.moment), ("down", down, stats["down"].moment)):
+    fused = mlp.get_submodule(spec.gate_up_fused) if spec.gate_up_fused else None
+    for name, lin, C in (("up", up, s_in.moment), ("gate", gate, s_in.moment), ("gate_up", fused, s_in.moment),
+                         ("down", down, stats["down"].moment)):
         if lin is None:
             continue
         o, i = lin.weight.shape
@@ -275,8 +346,8 @@ def _svd_mlp(ctx: LayerContext, stats: dict[str, InputStats]) -> dict:
         r = max(r, 1)
         A, B = decompose(lin.weight, C).factors(lin.weight, r)
         dt = lin.weight.dtype
-        set_submodule(mlp, getattr(spec, name), RankAdapterLinear(A.to(dt), B.to(dt), lin.bias, -math.inf))
-        entries[name] = _entry("rank", path=f"{spec.mlp}.{getattr(spec, name)}", in_features=i, out_features=o, rank=r, threshold=-math.inf,
+        set_submodule(mlp, _proj_attr(spec, name), RankAdapterLinear(A.to(dt), B.to(dt), lin.bias, -math.inf))
+        entries[name] = _entry("rank", path=f"{spec.mlp}.{_proj_attr(spec, name)}", in_features=i, out_features=o, rank=r, threshold=-math.inf,
                                expected_active=float(r), expected_macs=float(r * (i + o)), dense_macs=float(o * i))
     return _summary(entries)
 
@@ -290,32 +361,34 @@ def _teal_replace(ctx: LayerContext, path: str, x_fit: torch.Tensor, keep: float
                   expected_macs=o * keep * i, dense_macs=float(o * i))
 
 
-def _teal_attention(ctx: LayerContext, stats: dict[str, InputStats]) -> dict:
-    keep = min(1.0, ctx.fraction)
+def _teal_qkv(ctx: LayerContext, stats: dict[str, InputStats]) -> dict:
     x_qkv = subsample_rows(stats["qkv_in"].fit, ctx.fit_sample_tokens)
+    keep = min(1.0, ctx.fraction)
+    return _summary({path.rsplit(".", 1)[-1]: _teal_replace(ctx, path, x_qkv, keep) for path, _ in _qkv_modules(ctx)})
+
+
+def _teal_o(ctx: LayerContext, stats: dict[str, InputStats]) -> dict:
     x_o = subsample_rows(stats["o"].fit, ctx.fit_sample_tokens)
-    entries = {path.rsplit(".", 1)[-1]: _teal_replace(ctx, path, x_qkv, keep) for path, _ in _qkv_modules(ctx)}
-    entries["o"] = _teal_replace(ctx, role_path(ctx.spec, "o"), x_o, keep)
-    return _summary(entries)
+    return _summary({"o": _teal_replace(ctx, role_path(ctx.spec, "o"), x_o, min(1.0, ctx.fraction))})
 
 
-def _teal_mlp(ctx: LayerContext, stats: dict[str, InputStats]) -> dict:
+def _teal_up_gate(ctx: LayerContext, stats: dict[str, InputStats]) -> dict:
     spec, keep = ctx.spec, min(1.0, ctx.fraction)
     x_in = subsample_rows(stats["mlp_in"].fit, ctx.fit_sample_tokens)
+    return _summary({name: _teal_replace(ctx, f"{spec.mlp}.{_proj_attr(spec, name)}", x_in, keep)
+                     for name in ("up", "gate", "gate_up") if _proj_attr(spec, name)})
+
+
+def _teal_down(ctx: LayerContext, stats: dict[str, InputStats]) -> dict:
     x_down = subsample_rows(stats["down"].fit, ctx.fit_sample_tokens)
-    entries = {}
-    for name in ("up", "gate"):
-        if getattr(spec, name):
-            entries[name] = _teal_replace(ctx, f"{spec.mlp}.{getattr(spec, name)}", x_in, keep)
-    entries["down"] = _teal_replace(ctx, f"{spec.mlp}.{spec.down}", x_down, keep)
-    return _summary(entries)
+    return _summary({"down": _teal_replace(ctx, f"{ctx.spec.mlp}.{ctx.spec.down}", x_down, min(1.0, ctx.fraction))})
 
 
 def _cats_mlp(ctx: LayerContext, stats: dict[str, InputStats]) -> dict:
     spec = ctx.spec
     mlp, up, gate, down, act = _mlp_parts(ctx)
     if gate is None:
-        raise ValueError("CATS needs a gated MLP")
+        raise ValueError(unsupported_reason("cats", spec) or "CATS needs a gated MLP")
     inter, hidden = gate.weight.shape
     # gate dense (h·I) + kept rows of up and columns of down (2·h·k) = f · 3·h·I
     keep = (3 * ctx.fraction - 1) / 2
@@ -339,29 +412,29 @@ def get_method(name: str) -> Method:
     qkv_step = lambda fn, moments=("qkv_in",): Step(targets=("qkv_in",), stop="qkv_in", moments=moments, apply=fn)  # noqa: E731
     if name == "rana":
         return Method(name, _ATTN + ("o",) + _MLP,
-                      [Step(("qkv_in", "o"), "o", ("qkv_in",),
-                            lambda c, s: _rana_attention(c, s, allow_sparse=True, adapt_o=True)),
-                       Step(("mlp_in",), "mlp_in", ("mlp_in",), lambda c, s: _rana_mlp(c, s, allow_sparse=True))],
+                      [qkv_step(lambda c, s: _rana_attention(c, s, allow_sparse=True)),
+                       Step(("o",), "o", (), lambda c, s: _summary({"o": _o_sparse(c, s["o"])})),
+                       Step(("mlp_in",), "mlp_in", ("mlp_in",), lambda c, s: _rana_mlp(c, s, allow_sparse=True), "mlp")],
                       min_fraction=0.02,
                       description="rana (default): per projection the better of a B-masked rank adapter and "
                                   "contribution-scored input sparsity (a rank adapter with B = I), chosen by held-out "
                                   "error at equal FLOPs; o_proj adapted too; per-MLP grid search over the split")
     if name == "rana-paper":
         return Method(name, _ATTN + _MLP, [qkv_step(_rana_attention),
-                                           Step(("mlp_in",), "mlp_in", ("mlp_in",), _rana_mlp)],
+                                           Step(("mlp_in",), "mlp_in", ("mlp_in",), _rana_mlp, "mlp")],
                       min_fraction=0.02,
                       description="RaNA (paper): stacked-QKV and up/gate rank adapters with B-maskers, "
                                   "neuron-thresholded down, per-linear line search, per-MLP grid search")
     if name == "svd":
         return Method(name, _ATTN + _MLP, [qkv_step(lambda c, s: _rana_attention(c, s, adaptive=False)),
-                                           Step(("mlp_in", "down"), "down", ("mlp_in", "down"), _svd_mlp)],
+                                           Step(("mlp_in", "down"), "down", ("mlp_in", "down"), _svd_mlp, "mlp")],
                       min_fraction=0.01, description="static Theorem-1 factorisation, no masks")
     if name == "teal":
         return Method(name, _ATTN + ("o",) + _MLP,
-                      [Step(("qkv_in", "o"), "o", (), _teal_attention),
-                       Step(("mlp_in", "down"), "down", (), _teal_mlp)],
+                      [Step(("qkv_in",), "qkv_in", (), _teal_qkv), Step(("o",), "o", (), _teal_o),
+                       Step(("mlp_in",), "mlp_in", (), _teal_up_gate, "mlp"), Step(("down",), "down", (), _teal_down, "mlp")],
                       min_fraction=0.0, description="TEAL: magnitude sparsity of every projection's input")
     if name == "cats":
-        return Method(name, _MLP, [Step(("mlp_in",), "mlp_in", (), _cats_mlp)], min_fraction=1 / 3 + 1e-3,
+        return Method(name, _MLP, [Step(("mlp_in",), "mlp_in", (), _cats_mlp, "mlp")], min_fraction=1 / 3 + 1e-3,
                       description="CATS: dense gate, threshold on |act(gate)|, masked up/down (MLP only)")
     raise ValueError(f"unknown method '{name}'")

@@ -13,12 +13,24 @@ def tiny_model(arch: str = "llama", seed: int = 0, **overrides):
     import transformers as tf
 
     torch.manual_seed(seed)
-    cfg_cls, model_cls = {
-        "llama": (tf.LlamaConfig, tf.LlamaForCausalLM),
-        "mistral": (tf.MistralConfig, tf.MistralForCausalLM),
-        "qwen2": (tf.Qwen2Config, tf.Qwen2ForCausalLM),
+    cfg_cls, model_cls, extra = {
+        "llama": (tf.LlamaConfig, tf.LlamaForCausalLM, {}),
+        "mistral": (tf.MistralConfig, tf.MistralForCausalLM, {}),
+        "qwen2": (tf.Qwen2Config, tf.Qwen2ForCausalLM, {}),
+        # head_dim 32 ≠ hidden / heads = 16
+        "gemma": (tf.GemmaConfig, tf.GemmaForCausalLM, dict(head_dim=32)),
+        # a sliding window shorter than the calibration sequences, so layer types really differ
+        "gemma2": (tf.Gemma2Config, tf.Gemma2ForCausalLM,
+                   dict(head_dim=16, sliding_window=8, layer_types=["sliding_attention", "full_attention"])),
+        "gemma3_text": (tf.Gemma3TextConfig, tf.Gemma3ForCausalLM,
+                        dict(head_dim=16, sliding_window=8, layer_types=["sliding_attention", "full_attention"])),
+        "gpt_neox": (tf.GPTNeoXConfig, tf.GPTNeoXForCausalLM,
+                     dict(num_key_value_heads=None, rotary_pct=0.25, use_parallel_residual=True, attention_bias=True)),
+        "phi3": (tf.Phi3Config, tf.Phi3ForCausalLM, dict(pad_token_id=0, bos_token_id=1, eos_token_id=2)),
     }[arch]
-    cfg = cfg_cls(**{**TINY, **overrides})
+    kw = {**TINY, **extra, **overrides}
+    kw = {k: v for k, v in kw.items() if v is not None}  # None: drop the key (GPT-NeoX has no kv heads)
+    cfg = cfg_cls(**kw)
     return model_cls(cfg).eval()
 
 

@@ -43,7 +43,7 @@ def test_qwen2_biases_are_carried_into_the_stacked_adapter():
             for proj in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj):
                 proj.bias.normal_()
     biases = [p.bias.detach().clone() for p in (attn.q_proj, attn.k_proj, attn.v_proj)]
-    result = compress_model(model, None, tiny_compress_config(flops=0.8), tiny_calibration())
+    result = compress_model(model, None, tiny_compress_config(flops=0.8, method="rana-paper"), tiny_calibration())
     attn = result.model.model.layers[0].self_attn
     assert torch.equal(torch.cat([attn.q_proj.A.bias, attn.k_proj.A.bias, attn.v_proj.A.bias]),
                        torch.cat([b for b in biases]))

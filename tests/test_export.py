@@ -23,6 +23,7 @@ import torch.nn as nn
 from transformers import LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
 import rana.io as rio
+from helpers import byte_tokenizer
 from rana.compress import compress_model
 from rana.config import CompressConfig
 from rana.export import ExportError, check_sources, export, render_sources
@@ -65,7 +66,8 @@ ISOLATED = textwrap.dedent(r'''
             raise SystemExit(f"{name} is importable in the isolated interpreter")
 
     import torch
-    from transformers import AutoModelForCausalLM
+    import pathlib
+    from transformers import AutoModelForCausalLM, AutoTokenizer
 
     jobs = json.loads(sys.argv[1])
     prompt = torch.tensor(jobs["prompt"])
@@ -91,10 +93,12 @@ ISOLATED = textwrap.dedent(r'''
             "dtype": str(model.dtype),
             "adapters": sorted({type(m).__name__ for m in model.modules() if hasattr(m, "measured_macs")}),
             "laurel": sum(type(m).__name__ == "LaurelResidual" for m in model.modules()),
-            "row_major": [n for n, p in model.named_parameters() if p.dim() == 2 and ".A." in n + "." and
-                          not p.t().is_contiguous()],
+            "row_major": [n for n, p in model.named_parameters() if n.endswith((".A.weight", ".B.weight",
+                          ".linear.weight")) and not p.t().is_contiguous()],
             "rana_modules": sorted(m for m in sys.modules if m.split(".")[0] in BLOCKED),
-            "resaved_files": sorted(p.name for p in __import__("pathlib").Path(resaved).iterdir()),
+            "tokenizer": (AutoTokenizer.from_pretrained(folder)("hi")["input_ids"]
+                          if (pathlib.Path(folder) / "tokenizer_config.json").is_file() else None),
+            "resaved_files": sorted(p.name for p in pathlib.Path(resaved).iterdir()),
         }
     torch.save(results, jobs["out"])
 ''')
@@ -120,8 +124,8 @@ def run_isolated(folders: dict[str, Path], tmp: Path, timeout: int = 300) -> dic
     return torch.load(out, weights_only=False)
 
 
-def save_rana(model: nn.Module, path: Path, extra: dict | None = None) -> None:
-    rio.save(model, None, path, extra=extra)
+def save_rana(model: nn.Module, path: Path, tokenizer=None, extra: dict | None = None) -> None:
+    rio.save(model, tokenizer, path, extra=extra)
 
 
 def build_case(name: str, folder: Path) -> None:
@@ -148,7 +152,7 @@ def build_case(name: str, folder: Path) -> None:
                     for p in m.parameters():
                         p.add_(torch.randn_like(p) * 0.3)
         extra = {"laurel": lcfg.to_dict()}
-    save_rana(model, folder, extra)
+    save_rana(model, folder, byte_tokenizer() if name == "llama_rana" else None, extra=extra)
 
 
 @pytest.fixture(scope="module")
@@ -217,6 +221,8 @@ def test_config_and_files(exported):
     assert any(k.endswith("q_proj.A.bias") for k in index["weight_map"])
     assert (out / "generation_config.json").is_file() and not (out / rio.RANA_CONFIG).exists()
     assert not results["llama_rana"]["tied"]
+    assert results["llama_rana"]["tokenizer"] == byte_tokenizer()("hi")["input_ids"]
+    assert (dirs["llama_rana"][1] / "tokenizer.json").is_file() and results["mistral_teal"]["tokenizer"] is None
     laurel = json.loads((dirs["qwen2_laurel"][1] / "config.json").read_text())["rana_laurel"]
     assert laurel["variant"] == "rw+lr" and laurel["rank"] == 4
     assert results["qwen2_laurel"]["laurel"] == 2 * SMALL["num_hidden_layers"]

@@ -36,8 +36,17 @@ def _compress(model, method: str):
     return compress_model(model, None, cfg, SimpleNamespace(fit=ids[:16], heldout=ids[16:]))
 
 
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    """Tiny matrices: a second intra-op thread only adds sync cost (a lot on a busy machine)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
 @pytest.fixture(scope="module")
-def work(tmp_path_factory):
+def work(tmp_path_factory, one_thread):
     """A compressed tiny Llama (the paper's RaNA: rank adapters + neuron-thresholded down proj), its dense
     original as an HF folder, and pre-tokenised data."""
     root = tmp_path_factory.mktemp("ft")
@@ -56,7 +65,7 @@ def work(tmp_path_factory):
 
 def cfg(work, **kw) -> FinetuneConfig:
     base = dict(source=work.rana, data=work.data, tokens=8 * 4 * 32, seq_len=32, batch_size=4, lr=1e-3,
-                laurel="rw+lr", laurel_rank=4, lora_r=4, eval_tokens=32 * 4, save_every=0)
+                laurel="rw+lr", laurel_rank=4, lora_r=4, eval_tokens=32 * 4, save_every=0, eval_every=4)
     return FinetuneConfig(**{**base, **kw})
 
 

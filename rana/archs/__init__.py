@@ -9,7 +9,7 @@ from .base import (
     set_submodule,
     supported_model_types,
 )
-from . import llama, mistral, qwen2  # noqa: F401  (registration side effects)
+from . import gemma, gemma2, gemma3_text, gpt_neox, llama, mistral, phi3, qwen2  # noqa: F401  (registration side effects)
 
 __all__ = [
     "ArchSpec",

@@ -6,7 +6,7 @@ that builds an `ArchSpec` and calls `register`.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch.nn as nn
 
@@ -31,7 +31,7 @@ class ArchSpec:
     qkv_fused: str | None = None
     o: str = "o_proj"
     # MLP projections, relative to `mlp`; `gate` is None for non-gated MLPs
-    up: str = "up_proj"
+    up: str | None = "up_proj"  # None when `gate_up_fused` holds both
     gate: str | None = "gate_proj"
     down: str = "down_proj"
     gate_up_fused: str | None = None
@@ -44,6 +44,9 @@ class ArchSpec:
     attn_post_norm: str | None = None
     mlp_post_norm: str | None = None
     parallel_residual: bool = False
+    # config attribute that switches the parallel residual on/off per model (GPT-NeoX's
+    # `use_parallel_residual`); `get_arch(config)` then returns the spec with it applied
+    parallel_residual_config: str | None = None
     notes: str = field(default="", compare=False)
 
     @property
@@ -74,12 +77,18 @@ def get_arch(config_or_model_type) -> ArchSpec:
         config_or_model_type, "model_type", None
     )
     try:
-        return _REGISTRY[model_type]
+        spec = _REGISTRY[model_type]
     except KeyError:
         raise UnsupportedArchitectureError(
             f"architecture '{model_type}' is not supported (supported: {', '.join(supported_model_types())}); "
-            "to add one, write a small file in rana/archs/ that registers an ArchSpec"
+            "to add one, write a small file in rana/archs/ that registers an ArchSpec (see rana/archs/llama.py, "
+            "gpt_neox.py or phi3.py for the layouts) and import it in rana/archs/__init__.py"
         ) from None
+    if spec.parallel_residual_config and not isinstance(config_or_model_type, str):
+        flag = getattr(config_or_model_type, spec.parallel_residual_config, None)
+        if flag is not None and bool(flag) != spec.parallel_residual:
+            spec = replace(spec, parallel_residual=bool(flag))
+    return spec
 
 
 def get_submodule(root: nn.Module, path: str | None) -> nn.Module | None:

@@ -6,7 +6,8 @@ It is the stock configuration of the source architecture plus what rebuilds the 
   rank_slice / neuron / input_sparse / cats —, shapes, ``rank``, ``threshold``; a threshold of
   ``null`` means -inf, i.e. every rank / neuron / input stays active);
 * ``rana_laurel``: the LAuReL settings (``LaurelConfig.to_dict()``) or ``null``;
-* ``rana_format_version``: version of the rana folder format the export was made from.
+* ``rana_format_version`` / ``rana_version``: the rana folder format and package version the export
+  was made from.
 
 Loading needs ``trust_remote_code=True`` and only torch + transformers (the ``rana`` package is not
 needed; triton is used for batch-1 decoding on CUDA when it is importable).
@@ -20,6 +21,7 @@ class RanaConfig(_StockConfig):
     rana_adapters: list | None = None
     rana_laurel: dict | None = None
     rana_format_version: int | None = None
+    rana_version: str | None = None
 
 
 __all__ = ["RanaConfig"]

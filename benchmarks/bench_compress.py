@@ -1,0 +1,107 @@
+"""`rana compress` on SmolLM2-135M at F = 0.85 / 0.70 / 0.58: wall time, peak memory, measured
+FLOPs, held-out perplexity vs dense (no fine-tuning). Each compression runs as its own `rana
+compress` process so its peak resident memory is its own.
+
+    python benchmarks/bench_compress.py [--flops 0.85,0.7,0.58] [--method rana] [--eval-tokens 32768]
+
+Writes benchmarks/results/compress_smollm2.{md,json}. Calibration: pydoc_calib.txt; measured on
+pydoc_heldout.txt and shakespeare.txt (never calibrated on).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+DATA = ROOT.parent / "shared" / "data" / "text"
+RESULTS = ROOT / "benchmarks" / "results"
+
+CHILD = r"""
+import resource, sys, runpy
+sys.argv = ["rana"] + sys.argv[1:]
+try:
+    from rana.cli.app import main
+    main()
+except SystemExit as e:
+    code = e.code or 0
+else:
+    code = 0
+print("PEAK_RSS_KB", resource.getrusage(resource.RUSAGE_SELF).ru_maxrss, file=sys.stderr)
+sys.exit(code)
+"""
+
+
+def run_compress(flops: float, method: str, out: Path, extra: list[str]) -> dict:
+    cmd = [sys.executable, "-c", CHILD, "compress", "smollm2-135m", "--flops", str(flops), "--method", method,
+           "--dataset", str(DATA / "pydoc_calib.txt"), "--out", str(out), "--overwrite", *extra]
+    t0 = time.perf_counter()
+    res = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "HF_HUB_OFFLINE": "1"})
+    wall = time.perf_counter() - t0
+    if res.returncode != 0:
+        raise SystemExit(f"compress failed:\n{res.stderr[-3000:]}")
+    peak_kb = int(next(l for l in res.stderr.splitlines() if l.startswith("PEAK_RSS_KB")).split()[1])
+    return {"wall_s": wall, "peak_rss_gb": peak_kb / 1e6}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--flops", default="0.85,0.7,0.58")
+    ap.add_argument("--method", default="rana")
+    ap.add_argument("--eval-tokens", type=int, default=32768)
+    ap.add_argument("--work", default=None, help="folder for compressed models (default: a temp dir)")
+    ap.add_argument("--tag", default="")
+    ap.add_argument("extra", nargs="*", help="extra `rana compress` options, after --")
+    args = ap.parse_args()
+
+    import torch
+
+    from rana.data import load_texts, tokenize_stream
+    from rana.evaluate import perplexity
+    from rana.io import load
+    from rana.loading import load_model
+
+    work = Path(args.work or tempfile.mkdtemp(prefix="rana-bench-"))
+    dense, tok, _ = load_model("smollm2-135m")
+    texts = {name: tokenize_stream(load_texts(str(DATA / f"{name}.txt")), tok)[: args.eval_tokens]
+             for name in ("pydoc_heldout", "shakespeare")}
+    rows = [{"method": "dense", "target": 1.0, "measured_flops": 1.0,
+             **{f"ppl_{k}": perplexity(dense, v, progress=False)["ppl"] for k, v in texts.items()}}]
+    del dense
+    load_avg = os.getloadavg()[0]
+    for f in [float(x) for x in args.flops.split(",")]:
+        out = work / f"smol_{args.method}_{int(f * 100)}"
+        cost = run_compress(f, args.method, out, args.extra)
+        plan = json.loads((out / "plan.json").read_text())
+        model, _ = load(out)
+        with torch.no_grad():
+            ppl = {f"ppl_{k}": perplexity(model, v, progress=False)["ppl"] for k, v in texts.items()}
+        rows.append({"method": args.method, "target": f, "measured_flops": plan["measured_flops"], **cost,
+                     "compress_s_in_process": plan["wall_time_s"], **ppl})
+        print(rows[-1], flush=True)
+    meta = {"model": "smollm2-135m (SmolLM2-135M-Instruct Q4_1 GGUF, dequantised to fp32)",
+            "calibration": "pydoc_calib.txt, 32768 tokens (default), seq 512",
+            "eval": f"first {args.eval_tokens} tokens of each text, non-overlapping 512-token windows",
+            "machine": f"{os.cpu_count()} CPU cores; 1-min load average at start {load_avg:.1f} "
+                       "(other jobs shared the machine: wall times are upper bounds)",
+            "extra_args": args.extra}
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    stem = RESULTS / f"compress_smollm2{args.tag}"
+    stem.with_suffix(".json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=2))
+    lines = ["| method | target F | measured F | wall (s) | peak RSS (GB) | ppl pydoc_heldout | ppl shakespeare |",
+             "|---|---|---|---|---|---|---|"]
+    for r in rows:
+        lines.append(f"| {r['method']} | {r['target']:.2f} | {r['measured_flops']:.4f} | "
+                     f"{r.get('wall_s', float('nan')):.0f} | {r.get('peak_rss_gb', float('nan')):.2f} | "
+                     f"{r['ppl_pydoc_heldout']:.2f} | {r['ppl_shakespeare']:.2f} |")
+    stem.with_suffix(".md").write_text("\n".join(lines) + "\n\n" + "\n".join(f"- {k}: {v}" for k, v in meta.items()) + "\n")
+    print("\n".join(lines))
+
+
+if __name__ == "__main__":
+    main()

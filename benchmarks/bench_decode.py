@@ -1,0 +1,362 @@
+"""End-to-end batch-1 greedy decoding: compressed SmolLM2 vs dense, as ratios measured in one run.
+
+    python benchmarks/bench_decode.py                          # compress at F = 0.85 / 0.70 / 0.58, CPU (+ GPU)
+    python benchmarks/bench_decode.py --from 0.70=DIR ...      # reuse rana folders instead of compressing
+    python benchmarks/bench_decode.py --save-dir DIR           # keep the compressed folders (DIR/smollm2_f070)
+    python benchmarks/bench_decode.py --quick                  # fewer tokens / repeats (smoke run)
+
+Writes benchmarks/results/decode_cpu.{md,json} (and decode_gpu.{md,json} when CUDA is available).
+
+Two measurements per budget F, both *ratios to the dense model timed interleaved in the same run*:
+
+1. end to end: `rana.evaluate.latency_ratio` — median seconds per generated token of batch-1 greedy
+   `generate` (KV cache, fixed length), compressed / dense; also with prefill subtracted (decode only).
+2. per adapted unit of every layer (q/k/v with their shared rank code, gate, up, down): the module's
+   time on single-token inputs captured during a real decode vs the dense module it replaced, next
+   to the unit's measured FLOP fraction f on the same inputs (MacMeter). Decoding is memory bound,
+   so the limit of an adapted unit's speedup is about 1/f (method.md §5); "efficiency" is
+   achieved speedup / (1/f).
+
+`--profile` adds the top torch ops of one decode step of the dense and the most compressed model.
+"""
+from __future__ import annotations
+
+import argparse
+import datetime as _dt
+import json
+import platform
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+RESULTS = ROOT / "benchmarks" / "results"
+DATASET = "/work/shared/data/text/pydoc_calib.txt"
+FLOPS = (0.85, 0.70, 0.58)
+MODEL = "smollm2-135m"
+
+
+# ------------------------------------------------------------------------------------ models
+def compressed_models(args, dense_config) -> dict[float, tuple[torch.nn.Module, dict]]:
+    """{F: (model, plan)}: rana folders from --from / --save-dir, else compressed now."""
+    from rana import io as rio
+    from rana.compress import compress
+    from rana.config import CompressConfig
+
+    given = {}
+    for item in args.from_dirs or []:
+        f, _, d = item.partition("=")
+        given[float(f)] = Path(d)
+    out = {}
+    for f in args.flops:
+        folder = given.get(f)
+        if folder is None and args.save_dir and rio.is_rana_dir(Path(args.save_dir) / _folder_name(f)):
+            folder = Path(args.save_dir) / _folder_name(f)
+        if folder is not None:
+            model, _ = rio.load(folder)
+            plan_file = folder / "plan.json"
+            plan = json.loads(plan_file.read_text()) if plan_file.is_file() else {}
+            print(f"F={f}: loaded {folder}", flush=True)
+        else:
+            t0 = time.perf_counter()
+            config = CompressConfig(model=MODEL, flops=f, dataset=args.dataset, calib_tokens=args.calib_tokens)
+            result = compress(config)
+            model, plan = result.model, result.plan
+            print(f"F={f}: compressed in {time.perf_counter() - t0:.0f}s, measured {plan['measured_flops']:.4f}", flush=True)
+            if args.save_dir:
+                rio.save(model, result.tokenizer, Path(args.save_dir) / _folder_name(f), plan=plan, overwrite=True,
+                         extra={"method": config.method, "compress_config": config.to_dict()})
+        out[f] = (model.eval(), plan)
+    return out
+
+
+def _folder_name(f: float) -> str:
+    return f"smollm2_f{round(f * 100):03d}"
+
+
+# ------------------------------------------------------------------------------------ per-unit timing
+def _units(model) -> list[dict]:
+    """Adapted units of every layer: {layer, name, paths (modules called with the same input), meter}."""
+    from rana.archs import decoder_layers, get_arch
+    from rana.modules import (InputSparseLinear, NeuronThresholdLinear, RankAdapterLinear, RankSliceLinear,
+                              SharedRankCode)
+
+    spec = get_arch(model.config)
+    units = []
+    for i, layer in enumerate(decoder_layers(model, spec)):
+        prefix = f"{spec.layers}.{i}"
+        attn = layer.get_submodule(spec.attn)
+        qkv = [f"{spec.attn}.{p}" for p in (spec.q, spec.k, spec.v) if p]
+        if all(isinstance(layer.get_submodule(p), RankSliceLinear) for p in qkv):
+            code = next(m for m in attn.children() if isinstance(m, SharedRankCode))
+            units.append({"layer": i, "name": "qkv", "paths": [f"{prefix}.{p}" for p in qkv], "meters": [code]})
+        for role in ("gate", "up", "down"):
+            name = getattr(spec, role)
+            if name is None:
+                continue
+            path = f"{spec.mlp}.{name}"
+            m = layer.get_submodule(path)
+            if isinstance(m, (RankAdapterLinear, NeuronThresholdLinear, InputSparseLinear)):
+                units.append({"layer": i, "name": role, "paths": [f"{prefix}.{path}"], "meters": [m]})
+    return units
+
+
+@torch.no_grad()
+def capture_decode_inputs(model, ids: torch.Tensor, units: list[dict], steps: int) -> dict[str, list[torch.Tensor]]:
+    """Single-token inputs of every unit's first module during `steps` greedy decode steps."""
+    captured = {u["paths"][0]: [] for u in units}
+    hooks = []
+    for path in captured:
+        def hook(_m, args, store=captured[path]):
+            x = args[0]
+            if x.numel() == x.shape[-1]:
+                store.append(x.detach().clone())
+        hooks.append(model.get_submodule(path).register_forward_pre_hook(hook))
+    try:
+        model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=steps, min_new_tokens=steps,
+                       do_sample=False, pad_token_id=0)
+    finally:
+        for h in hooks:
+            h.remove()
+    return captured
+
+
+def _timer_us(fn, device, min_run_time: float) -> float:
+    from torch.utils import benchmark
+
+    fn()
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    m = benchmark.Timer(stmt="fn()", globals={"fn": fn}, num_threads=torch.get_num_threads()).blocked_autorange(
+        min_run_time=min_run_time)
+    return m.median * 1e6
+
+
+@torch.no_grad()
+def unit_timings(model, dense, inputs: dict, units: list[dict], device, min_run_time: float, rounds: int) -> list[dict]:
+    """Per unit: compressed and dense µs per token (same inputs, interleaved rounds) and FLOP fraction."""
+    rows = []
+    for u in units:
+        xs = inputs[u["paths"][0]]
+        if not xs:
+            continue
+        mods = [model.get_submodule(p) for p in u["paths"]]
+        dense_mods = [dense.get_submodule(p) for p in u["paths"]]
+        for meter in u["meters"]:  # FLOP fraction on exactly these inputs
+            meter.reset_meter()
+            meter.meter_on = True
+        for x in xs:
+            for m in mods:
+                m(x)
+        macs = sum(m.measured_macs() for m in u["meters"])
+        dense_macs = sum(m.macs_dense for m in u["meters"])
+        for meter in u["meters"]:
+            meter.meter_on = False
+
+        def run(ms):
+            def fn():
+                for x in xs:
+                    for m in ms:
+                        m(x)
+            return fn
+
+        comp_t, dense_t = [], []
+        for _ in range(rounds):
+            comp_t.append(_timer_us(run(mods), device, min_run_time) / len(xs))
+            dense_t.append(_timer_us(run(dense_mods), device, min_run_time) / len(xs))
+        f = macs / dense_macs
+        speedup = statistics.median(dense_t) / statistics.median(comp_t)
+        rows.append({"layer": u["layer"], "unit": u["name"], "flop_fraction": f, "us": statistics.median(comp_t),
+                     "dense_us": statistics.median(dense_t), "speedup": speedup, "ideal_speedup": 1.0 / f,
+                     "efficiency": speedup * f})
+    return rows
+
+
+# ------------------------------------------------------------------------------------ profiling
+@torch.no_grad()
+def profile_step(model, ids: torch.Tensor, top: int = 12) -> list[dict]:
+    """Self CPU time per op of 8 decode steps (prefill excluded), heaviest first."""
+    from torch.profiler import ProfilerActivity, profile
+
+    out = model(ids, use_cache=True)
+    past, nxt = out.past_key_values, out.logits[:, -1:].argmax(-1)
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        for step in range(8):
+            mask = torch.ones(1, ids.shape[1] + step + 1, dtype=torch.long)
+            out = model(nxt, past_key_values=past, attention_mask=mask, use_cache=True)
+            past, nxt = out.past_key_values, out.logits[:, -1:].argmax(-1)
+    events = sorted(prof.key_averages(), key=lambda e: e.self_cpu_time_total, reverse=True)
+    total = sum(e.self_cpu_time_total for e in events)
+    return [{"op": e.key, "calls_per_token": e.count / 8, "self_us_per_token": e.self_cpu_time_total / 8,
+             "share": e.self_cpu_time_total / total} for e in events[:top]] + [
+        {"op": "TOTAL", "calls_per_token": sum(e.count for e in events) / 8, "self_us_per_token": total / 8, "share": 1.0}]
+
+
+# ------------------------------------------------------------------------------------ report
+def summarize_units(rows: list[dict]) -> dict:
+    by_unit = {}
+    for name in sorted({r["unit"] for r in rows}, key=["qkv", "gate", "up", "down"].index):
+        rs = [r for r in rows if r["unit"] == name]
+        by_unit[name] = {
+            "flop_fraction": statistics.mean(r["flop_fraction"] for r in rs),
+            "us": sum(r["us"] for r in rs) / len(rs), "dense_us": sum(r["dense_us"] for r in rs) / len(rs),
+            "speedup": sum(r["dense_us"] for r in rs) / sum(r["us"] for r in rs),
+            "ideal_speedup": len(rs) / sum(r["flop_fraction"] for r in rs),
+            "efficiency_median": statistics.median(r["efficiency"] for r in rs),
+            "efficiency_min": min(r["efficiency"] for r in rs), "efficiency_max": max(r["efficiency"] for r in rs),
+        }
+    rs = rows
+    by_unit["all adapted"] = {
+        "flop_fraction": sum(r["flop_fraction"] * r["dense_us"] for r in rs) / sum(r["dense_us"] for r in rs),
+        "us": sum(r["us"] for r in rs), "dense_us": sum(r["dense_us"] for r in rs),
+        "speedup": sum(r["dense_us"] for r in rs) / sum(r["us"] for r in rs),
+    }
+    a = by_unit["all adapted"]
+    a["ideal_speedup"] = 1.0 / a["flop_fraction"]
+    a["efficiency_median"] = a["speedup"] / a["ideal_speedup"]
+    return by_unit
+
+
+def _env(device) -> str:
+    try:
+        import triton
+        tv = triton.__version__
+    except Exception:  # pragma: no cover
+        tv = "not installed"
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else \
+        f"CPU {platform.machine()} ({torch.get_num_threads()} threads)"
+    try:
+        import os
+        load = " , load average %.1f / %.1f / %.1f" % os.getloadavg()
+    except OSError:  # pragma: no cover
+        load = ""
+    return (f"- device: {name}{load if device.type == 'cpu' else ''}\n- torch {torch.__version__}, triton {tv}, "
+            f"python {platform.python_version()}\n- date: {_dt.datetime.now().isoformat(timespec='seconds')}")
+
+
+def write_report(records: dict, device, args) -> None:
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    tag = "gpu" if device.type == "cuda" else "cpu"
+    (RESULTS / f"decode_{tag}.json").write_text(json.dumps(records, indent=1, default=float) + "\n")
+    lines = [f"# Batch-1 greedy decoding: compressed {MODEL} vs dense ({tag.upper()})", "", _env(device), "",
+             f"- model {MODEL}, float32, rana method, calibration {args.calib_tokens} tokens of `{args.dataset}`",
+             f"- end to end: `rana.evaluate.latency_ratio`, prompt {records['prompt_tokens']} tokens, "
+             f"{args.new_tokens} new tokens, median of {args.repeats} runs after {args.warmup} warm-up, compressed and "
+             "dense interleaved in the same run. ratio = compressed / dense seconds per token (< 1 is faster).",
+             "", "## End to end", "",
+             "| F target | F measured | dense tok/s | compressed tok/s | latency ratio | decode-only ratio | speedup | "
+             "1/F |", "|---|---|---|---|---|---|---|---|"]
+    for r in records["end_to_end"]:
+        lines.append(f"| {r['flops']:.2f} | {r['measured_flops']:.3f} | {r['dense_tokens_per_s']:.1f} | "
+                     f"{r['tokens_per_s']:.1f} | {r['latency_ratio']:.3f} | {r['decode_latency_ratio']:.3f} | "
+                     f"{r['speedup']:.2f}× | {1 / r['measured_flops']:.2f}× |")
+    lines += ["", "## Per adapted unit (mean over layers)", "",
+              f"Single-token inputs captured from {args.capture_steps} real decode steps; time per token of the "
+              "adapted module(s) vs the dense module(s) it replaced, same inputs, interleaved; f = measured FLOP "
+              "fraction of the unit on those inputs; efficiency = speedup / (1/f), 1.0 = the memory-bound limit.",
+              "", "| F | unit | f | dense µs | compressed µs | speedup | 1/f | efficiency (median, min–max over layers) |",
+              "|---|---|---|---|---|---|---|---|"]
+    for f, summary in records["units_summary"].items():
+        for unit, s in summary.items():
+            eff = (f"{s['efficiency_median']:.2f} ({s['efficiency_min']:.2f}–{s['efficiency_max']:.2f})"
+                   if "efficiency_min" in s else f"{s['efficiency_median']:.2f}")
+            lines.append(f"| {float(f):.2f} | {unit} | {s['flop_fraction']:.3f} | {s['dense_us']:.1f} | {s['us']:.1f} | "
+                         f"{s['speedup']:.2f}× | {s['ideal_speedup']:.2f}× | {eff} |")
+    lines += ["", "Per layer (the JSON has every unit):", "",
+              "| F | layer | unit | f | dense µs | compressed µs | speedup | 1/f | efficiency |", "|---|---|---|---|---|---|---|---|---|"]
+    for f, rows in records["units"].items():
+        for r in rows:
+            if r["layer"] in (0, len(rows) // 8, len(rows) // 4 - 1):
+                lines.append(f"| {float(f):.2f} | {r['layer']} | {r['unit']} | {r['flop_fraction']:.3f} | {r['dense_us']:.1f} | "
+                             f"{r['us']:.1f} | {r['speedup']:.2f}× | {r['ideal_speedup']:.2f}× | {r['efficiency']:.2f} |")
+    if records.get("profile"):
+        lines += ["", "## Profile of decode steps (self time per generated token, top ops)", ""]
+        for name, ops in records["profile"].items():
+            lines += [f"### {name}", "", "| op | calls/token | self µs/token | share |", "|---|---|---|---|"]
+            lines += [f"| `{o['op']}` | {o['calls_per_token']:.0f} | {o['self_us_per_token']:.0f} | {100 * o['share']:.1f}% |"
+                      for o in ops]
+            lines.append("")
+    if args.notes:
+        lines += ["", "## Notes", "", Path(args.notes).read_text().strip()]
+    (RESULTS / f"decode_{tag}.md").write_text("\n".join(lines) + "\n")
+    print(f"wrote {RESULTS / f'decode_{tag}.md'}", flush=True)
+
+
+# ------------------------------------------------------------------------------------ main
+def run_device(device, dense, models, tokenizer, args) -> dict:
+    from rana.evaluate import DEFAULT_PROMPT, latency_ratio
+
+    dense = dense.to(device)
+    ids = tokenizer(DEFAULT_PROMPT, return_tensors="pt")["input_ids"]
+    records = {"device": str(device), "prompt_tokens": int(ids.shape[1]), "new_tokens": args.new_tokens,
+               "threads": torch.get_num_threads(), "end_to_end": [], "units": {}, "units_summary": {}}
+    for f, (model, plan) in models.items():
+        model = model.to(device)
+        r = latency_ratio(model, dense, ids.to(device), new_tokens=args.new_tokens, warmup=args.warmup,
+                          repeats=args.repeats)
+        r.update(flops=f, measured_flops=plan.get("measured_flops", float("nan")))
+        records["end_to_end"].append(r)
+        print(f"[{device}] F={f}: {r['tokens_per_s']:.1f} vs dense {r['dense_tokens_per_s']:.1f} tok/s, "
+              f"ratio {r['latency_ratio']:.3f} (decode only {r['decode_latency_ratio']:.3f})", flush=True)
+        units = _units(model)
+        inputs = capture_decode_inputs(model, ids.to(device), units, args.capture_steps)
+        rows = unit_timings(model, dense, inputs, units, device, args.min_run_time, args.rounds)
+        records["units"][str(f)] = rows
+        records["units_summary"][str(f)] = summarize_units(rows)
+        a = records["units_summary"][str(f)]["all adapted"]
+        print(f"[{device}] F={f}: adapted units {a['speedup']:.2f}× of ideal {a['ideal_speedup']:.2f}×", flush=True)
+        model.to("cpu")
+    if args.profile and device.type == "cpu":
+        f_min = min(models)
+        records["profile"] = {"dense": profile_step(dense, ids),
+                              f"compressed F={f_min}": profile_step(models[f_min][0], ids)}
+    dense.to("cpu")
+    return records
+
+
+def main(argv=None) -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--flops", type=float, nargs="+", default=list(FLOPS))
+    p.add_argument("--from", dest="from_dirs", nargs="*", metavar="F=DIR", help="rana folders to reuse")
+    p.add_argument("--save-dir", help="save compressed folders here (and reuse them on the next run)")
+    p.add_argument("--dataset", default=DATASET)
+    p.add_argument("--calib-tokens", type=int, default=8192)
+    p.add_argument("--new-tokens", type=int, default=64)
+    p.add_argument("--warmup", type=int, default=2)
+    p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--capture-steps", type=int, default=8)
+    p.add_argument("--min-run-time", type=float, default=0.2)
+    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--threads", type=int, default=None)
+    p.add_argument("--device", choices=("cpu", "cuda", "all"), default="all")
+    p.add_argument("--profile", action="store_true", help="add per-op profiles of decode steps (CPU)")
+    p.add_argument("--notes", help="markdown file appended to the report as a Notes section")
+    p.add_argument("--quick", action="store_true")
+    args = p.parse_args(argv)
+    if args.quick:
+        args.new_tokens, args.repeats, args.warmup, args.rounds, args.min_run_time = 16, 2, 1, 1, 0.05
+    if args.threads:
+        torch.set_num_threads(args.threads)
+
+    from transformers.utils import logging as hf_logging
+
+    from rana.loading import load_model
+
+    hf_logging.set_verbosity_error()
+    hf_logging.disable_progress_bar()
+    dense, tokenizer, _ = load_model(MODEL)
+    models = compressed_models(args, dense.config)
+    devices = []
+    if args.device in ("cpu", "all"):
+        devices.append(torch.device("cpu"))
+    if args.device in ("cuda", "all") and torch.cuda.is_available():
+        devices.append(torch.device("cuda"))
+    for device in devices:
+        write_report(run_device(device, dense, models, tokenizer, args), device, args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,193 @@
+"""`rana eval MODEL_OR_DIR [--compare DIR2 …] --ppl-data FILE --tasks … --latency --json OUT.json`."""
+from __future__ import annotations
+
+import gc
+import json
+from pathlib import Path
+from typing import List, Optional
+
+import typer
+from rich.table import Table
+
+from .common import LazyProgress, console, friendly
+from .common import out as stdout
+
+
+def _task_metric(metrics: dict) -> tuple[str, float] | None:
+    for key in ("acc_norm", "acc", "exact_match", "perplexity", "word_perplexity"):
+        if key in metrics:
+            return key, metrics[key]
+    return None
+
+
+def eval_table(results: dict) -> Table:
+    """One row per model: FLOPs measured on the evaluation tokens, ppl per text, tasks, latency."""
+    rows = results["models"]
+    texts = list(dict.fromkeys(t for r in rows for t in r.get("ppl", {})))
+    tasks = list(dict.fromkeys(t for r in rows for t in r.get("tasks", {}) or {}))
+    t = Table(title="rana eval")
+    cols = ["model", "method", "target", "FLOPs", "GFLOPs/tok", "attn", "mlp", "other"] + [f"ppl {x}" for x in texts]
+    for task in tasks:
+        m = next((_task_metric(r["tasks"][task]) for r in rows if task in (r.get("tasks") or {})), None)
+        cols.append(f"{task} {m[0] if m else ''}".strip())
+    if any(r.get("latency") for r in rows):
+        cols += ["tok/s", "latency vs dense"]
+    for c in cols:
+        t.add_column(c, justify="left" if c in ("model", "method") else "right")
+    for r in rows:
+        fl = r.get("flops")
+        cells = [_short(r["name"]), r.get("method") or r.get("kind", ""),
+                 "-" if r.get("target_flops") is None else f"{r['target_flops']:g}"]
+        if fl:
+            cells += [f"{fl['fraction']:.4f}", f"{fl['gflops_per_token']:.4g}"]
+            cells += [f"{fl['by_part'][p]['fraction_of_part']:.3f}" for p in ("attention", "mlp", "other")]
+        else:
+            cells += ["-"] * 5
+        cells += [f"{r['ppl'][x]['ppl']:.3f}" if x in r.get("ppl", {}) else "-" for x in texts]
+        for task in tasks:
+            m = _task_metric((r.get("tasks") or {}).get(task, {}))
+            cells.append(f"{m[1]:.4f}" if m else "-")
+        if "tok/s" in cols:
+            lat = r.get("latency") or {}
+            ratio = lat.get("latency_ratio")
+            cells += [f"{lat['tokens_per_s']:.1f}" if lat else "-", f"{ratio:.3f}" if ratio is not None else "-"]
+        t.add_row(*cells)
+    return t
+
+
+def _short(name: str) -> str:
+    """A path's last component (folders get long); aliases and hub ids as they are."""
+    p = Path(name)
+    return p.name if p.exists() and p.name else name
+
+
+def print_wide(console, renderable) -> None:
+    """Tables are wide: in a terminal fit it, elsewhere (logs, pipes) do not squeeze to 80 columns."""
+    if console.is_terminal:
+        console.print(renderable)
+        return
+    old = console.width
+    console.width = max(old, 220)
+    try:
+        console.print(renderable)
+    finally:
+        console.width = old
+
+
+def _limit(value: Optional[float]):
+    if value is None:
+        return None
+    if value <= 0:
+        raise ValueError(f"--limit must be positive, got {value}")
+    return int(value) if value >= 1 and float(value).is_integer() else value
+
+
+def register(app: typer.Typer) -> None:
+    @app.command("eval")
+    @friendly
+    def evaluate(
+        models: List[str] = typer.Argument(..., help="rana folder(s) or dense model(s): alias, hub id, local folder, .gguf"),
+        compare: List[str] = typer.Option([], "--compare", help="more models for the same table (repeatable, or comma list)"),
+        ppl_data: List[str] = typer.Option([], "--ppl-data", help="perplexity text (repeatable): local .txt/.raw/.jsonl/.parquet or hub name[:config[:split]]"),
+        seq_len: int = typer.Option(512, help="perplexity window length (also the attention context for FLOPs)"),
+        batch_size: int = typer.Option(4, help="windows per perplexity forward"),
+        eval_tokens: Optional[int] = typer.Option(None, help="score only the first N tokens of each text (default: all)"),
+        text_column: str = typer.Option("text", help="text column for json/parquet/hub data"),
+        tasks: Optional[str] = typer.Option(None, help="comma list of lm-eval tasks (hellaswag,lambada_openai; offline: hellaswag_local,lambada_openai_local with --task-data)"),
+        include_path: Optional[Path] = typer.Option(None, help="folder of extra lm-eval task YAMLs"),
+        task_data: Optional[Path] = typer.Option(None, help="data folder for the bundled *_local tasks (holds eval/…jsonl), e.g. ../shared/data"),
+        limit: Optional[float] = typer.Option(None, help="lm-eval examples per task (a number, or a fraction < 1)"),
+        num_fewshot: int = typer.Option(0, help="lm-eval few-shot examples"),
+        latency: bool = typer.Option(False, "--latency", help="batch-1 decode tokens/s, timed interleaved with the dense model"),
+        dense: Optional[str] = typer.Option(None, "--dense", help="dense model for --latency / --layer-errors (default: plan.json's model)"),
+        latency_tokens: int = typer.Option(64, help="tokens generated per latency run"),
+        latency_repeats: int = typer.Option(5, help="timed latency runs (median)"),
+        layer_errors: bool = typer.Option(False, "--layer-errors", help="per-layer relative output error of QKV/o/MLP vs the dense model on the first --ppl-data text"),
+        layer_error_tokens: int = typer.Option(8192, help="tokens for --layer-errors"),
+        json_out: Optional[Path] = typer.Option(None, "--json", help="write machine-readable results here"),
+        dtype: str = typer.Option("float32", help="float32 | bfloat16 | float16"),
+        device: str = typer.Option("cpu", help="compute device (cpu, cuda, …)"),
+    ) -> None:
+        """Perplexity, measured FLOPs, lm-eval tasks and decode latency of compressed and dense models."""
+        from rana.evaluation import evaluate_model, eval_tokens as read_tokens, layer_errors as block_errors, load_for_eval
+        from rana.evaluation import ppl_protocol
+        from rana.io import is_rana_dir
+        from rana.loading import load_model, resolve
+
+        refs = list(models) + [c.strip() for item in compare for c in item.split(",") if c.strip()]
+        task_list = [t.strip() for t in (tasks or "").split(",") if t.strip()]
+        if not ppl_data and not task_list and not latency:
+            raise ValueError("nothing to evaluate: pass --ppl-data FILE (perplexity + measured FLOPs), --tasks and/or --latency")
+        if layer_errors and not ppl_data:
+            raise ValueError("--layer-errors runs on the first --ppl-data text: pass one")
+        if seq_len < 2:
+            raise ValueError(f"--seq-len must be at least 2, got {seq_len}")
+        for r in refs:
+            if not is_rana_dir(r):
+                resolve(r)  # fail fast on an unknown model
+        lim = _limit(limit)
+
+        dense_cache: dict[str, tuple] = {}
+
+        def dense_for(loaded):
+            ref = dense or loaded.dense_reference
+            if ref is None:
+                raise ValueError(f"no dense model known for '{loaded.reference}' (plan.json names none): pass --dense REF")
+            if loaded.kind == "dense" and dense is None:
+                return loaded.model
+            if ref not in dense_cache:
+                dense_cache.clear()
+                console.print(f"loading dense model {ref}", highlight=False)
+                dense_cache[ref] = load_model(ref, dtype=dtype, device=device)[:2]
+            return dense_cache[ref][0]
+
+        rows = []
+        with LazyProgress("eval") as progress:
+            for i, ref in enumerate(refs):
+                progress("models", i, len(refs))
+                loaded = load_for_eval(ref, dtype=dtype, device=device)
+                if loaded.tokenizer is None:
+                    raise ValueError(f"'{ref}' has no tokenizer and plan.json names no model to take it from")
+                dense_model = dense_for(loaded) if (latency or layer_errors) else None
+                row = evaluate_model(loaded.model, loaded.tokenizer, ppl_sources=list(ppl_data), seq_len=seq_len,
+                                     batch_size=batch_size, max_tokens=eval_tokens, text_column=text_column,
+                                     tasks=task_list, include_path=include_path, task_data=task_data, limit=lim,
+                                     num_fewshot=num_fewshot, latency=latency, dense_model=dense_model,
+                                     latency_new_tokens=latency_tokens, latency_repeats=latency_repeats,
+                                     name=ref, plan=loaded.plan, progress=progress)
+                row["reference"], row["kind"] = ref, loaded.kind
+                row["dense_reference"] = dense or loaded.dense_reference
+                if layer_errors:
+                    tokens = read_tokens(ppl_data[0], loaded.tokenizer, max_tokens=layer_error_tokens, text_column=text_column)
+                    row["layer_errors"] = block_errors(loaded.model, dense_model, tokens, seq_len=seq_len,
+                                                       batch_size=batch_size, max_tokens=layer_error_tokens)
+                    row["layer_errors_on"] = f"first {layer_error_tokens} tokens of {ppl_data[0]}"
+                rows.append(row)
+                del loaded
+                gc.collect()
+                progress("models", i + 1, len(refs))
+
+        results = {"models": rows, "seq_len": seq_len, "eval_tokens": eval_tokens,
+                   "protocol": ppl_protocol(seq_len, eval_tokens) if ppl_data else None}
+        print_wide(stdout, eval_table(results))
+        if ppl_data:
+            stdout.print(f"protocol: {results['protocol']}", highlight=False)
+            stdout.print("FLOPs: average per-token FLOPs the masks actually took on the evaluation tokens, as a fraction "
+                         "of the dense model (attn/mlp/other: fraction of each part's dense cost)", highlight=False)
+        for r in rows:
+            if r.get("layer_errors"):
+                print_wide(stdout, layer_error_table(r))
+        if json_out is not None:
+            json_out.parent.mkdir(parents=True, exist_ok=True)
+            json_out.write_text(json.dumps(results, indent=2, default=float) + "\n")
+            stdout.print(f"wrote {json_out}", highlight=False)
+
+
+def layer_error_table(row: dict) -> Table:
+    t = Table(title=f"{_short(row['name'])}: relative output error vs dense ({row.get('layer_errors_on', '')})")
+    for c in ("layer", "qkv", "o", "mlp"):
+        t.add_column(c, justify="right")
+    for e in row["layer_errors"]:
+        cell = lambda part: f"{e[part]:.4f}" if e[f"{part}_adapted"] else "dense"  # noqa: E731
+        t.add_row(str(e["layer"]), cell("attention"), cell("o"), cell("mlp"))
+    return t

@@ -1,0 +1,435 @@
+"""`rana sweep`: compress one model with several methods at several FLOP budgets, evaluate each
+point (perplexity on several texts, FLOPs measured on those tokens) next to the dense model,
+and write `results.json`, `results.md` and the paper-style figures.
+
+The dense model is loaded once and deep-copied for every point; calibration data is computed
+once and shared. Each finished point is saved to `OUT/points/<method>_<flops>.json` (with its
+plan as `<method>_<flops>.plan.json`); a re-run with the same settings skips finished points.
+"""
+from __future__ import annotations
+
+import copy
+import gc
+import json
+import math
+import os
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from .compress import BudgetError, calibration_data, compress_model
+from .config import METHODS, CompressConfig
+from .evaluation import eval_tokens, evaluate_model, ppl_protocol, rank_adapters, rank_contributions, text_name
+
+Progress = Callable[[str, int, "int | None"], None]
+Log = Callable[[str], None]
+
+DENSE = "dense"
+FIGURE_FILES = {
+    "ppl_vs_flops": "ppl_vs_flops.png",
+    "layer_errors": "layer_errors.png",
+    "rank_contributions": "rank_contributions.png",
+    "layer_budget": "layer_budget.png",
+}
+
+
+@dataclass
+class SweepConfig:
+    model: str
+    out: Path
+    ppl_data: list[str] = field(default_factory=list)
+    methods: list[str] = field(default_factory=lambda: ["rana", "cats", "svd", "teal"])
+    flops: list[float] = field(default_factory=lambda: [0.85, 0.7, 0.58])
+    dense: bool = True
+    dataset: str | None = None
+    dataset_config: str | None = None
+    split: str = "train"
+    text_column: str = "text"
+    calib_tokens: int = 32768
+    seq_len: int = 512
+    eval_tokens: int | None = None  # cap per evaluation text (None: whole text)
+    batch_size: int = 8  # calibration forward
+    eval_batch_size: int = 4
+    figure_flops: float | None = None  # budget for the per-layer figures (default: the smallest)
+    histogram_tokens: int = 2048
+    dtype: str = "float32"
+    device: str = "cpu"
+    grid_step: float = 0.125
+    allocation: str = "uniform"  # CompressConfig.allocation: uniform (paper) or global (per-layer, measured)
+    seed: int = 0
+    save_models: bool = False
+
+    def __post_init__(self) -> None:
+        self.out = Path(self.out)
+        methods = [m.strip() for m in self.methods if m.strip()]
+        if DENSE in methods:
+            self.dense = True
+        self.methods = [m for m in dict.fromkeys(methods) if m != DENSE]
+        self.flops = [float(f) for f in dict.fromkeys(self.flops)]
+        self.ppl_data = [str(p) for p in self.ppl_data]
+
+    def validate(self) -> None:
+        bad = [m for m in self.methods if m not in METHODS]
+        if bad:
+            raise ValueError(f"unknown method(s) {', '.join(bad)} (choose from dense, {', '.join(METHODS)})")
+        if not self.methods and not self.dense:
+            raise ValueError("nothing to run: pass --methods (and/or --dense)")
+        if self.methods and not self.flops:
+            raise ValueError("pass at least one --flops budget")
+        for f in self.flops:
+            if not 0.0 < f <= 1.0:
+                raise ValueError(f"--flops must be in (0, 1], got {f}: it is the fraction of the dense model's FLOPs to keep")
+        if not self.ppl_data:
+            raise ValueError("pass at least one --ppl-data text to evaluate on (never the calibration text)")
+        if self.eval_tokens is not None and self.eval_tokens < self.seq_len:
+            raise ValueError(f"--eval-tokens ({self.eval_tokens}) must be at least one window (--seq-len {self.seq_len})")
+        if self.figure_flops is not None and self.methods and not any(abs(self.figure_flops - f) < 1e-9 for f in self.flops):
+            raise ValueError(f"--figure-flops {self.figure_flops} is not one of the --flops budgets")
+        self.compress_config(self.methods[0] if self.methods else "rana", self.flops[0] if self.flops else 1.0).validate()
+
+    def compress_config(self, method: str, flops: float) -> CompressConfig:
+        return CompressConfig(model=self.model, flops=flops, method=method, dataset=self.dataset,
+                              dataset_config=self.dataset_config, split=self.split, text_column=self.text_column,
+                              calib_tokens=self.calib_tokens, seq_len=self.seq_len, batch_size=self.batch_size,
+                              dtype=self.dtype, device=self.device, grid_step=self.grid_step, seed=self.seed,
+                              allocation=self.allocation)
+
+    def eval_settings(self) -> dict:
+        """What a point's evaluation depends on (a stored point is reused only if these match)."""
+        return {"model": self.model, "ppl_data": self.ppl_data, "eval_tokens": self.eval_tokens,
+                "seq_len": self.seq_len, "dtype": self.dtype}
+
+    def compress_settings(self) -> dict:
+        """What a point's compression depends on, besides method and budget."""
+        return {"dataset": self.dataset, "dataset_config": self.dataset_config, "split": self.split,
+                "text_column": self.text_column, "calib_tokens": self.calib_tokens, "grid_step": self.grid_step,
+                "allocation": self.allocation, "seed": self.seed}
+
+    def figure_budget(self) -> float | None:
+        if self.figure_flops is not None:
+            return self.figure_flops
+        return min(self.flops) if self.flops else None
+
+    def to_dict(self) -> dict:
+        d = asdict(self)
+        d["out"] = str(self.out)
+        return d
+
+
+def point_name(method: str, flops: float | None = None) -> str:
+    return DENSE if method == DENSE else f"{method}_{flops:g}"
+
+
+def _write_json(path: Path, obj: Any) -> None:
+    """Atomic: a point file is either complete or absent."""
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    tmp.write_text(json.dumps(obj, indent=2, default=float) + "\n")
+    os.replace(tmp, path)
+
+
+def _read_point(path: Path) -> dict | None:
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+
+
+def layer_summary(plan: dict) -> list[dict]:
+    """Per layer: held-aside relative error of the attention (QKV) and MLP blocks and the FLOP
+    fraction the plan expected each block to spend (expected MACs / dense MACs of its parts).
+    A block the plan left dense spends 1.0; its error is 0.0 if the method adapts that part
+    elsewhere (a per-layer allocation kept it dense) and None if the method never adapts it."""
+    layers = plan.get("layers", [])
+    alloc = (plan.get("allocation") or {}).get("fractions") or []
+    adapted = {part for e in layers for part in ("attention", "mlp") if e.get(part)}
+    adapted |= {part for f in alloc if isinstance(f, dict) for part in f if part in ("attention", "mlp")}
+    rows = []
+    for entry in layers:
+        row: dict[str, Any] = {"layer": entry["layer"]}
+        for part in ("attention", "mlp"):
+            blk = entry.get(part)
+            if not blk:
+                row[f"{part}_error"] = 0.0 if part in adapted else None
+                row[f"{part}_fraction"] = 1.0
+                continue
+            comps = list(blk.get("components", {}).values())
+            dense = sum(c.get("dense_macs") or 0.0 for c in comps)
+            expected = sum(c.get("expected_macs") or 0.0 for c in comps)
+            row[f"{part}_error"] = blk.get("heldout_error")
+            row[f"{part}_fraction"] = expected / dense if dense else None
+        rows.append(row)
+    return rows
+
+
+class Sweep:
+    """One sweep run; `run()` does the pending points and writes the outputs."""
+
+    def __init__(self, config: SweepConfig, *, progress: Progress | None = None, log: Log | None = None):
+        config.validate()
+        self.cfg = config
+        self.progress = progress or (lambda *a: None)
+        self.log = log or (lambda msg: None)
+        self.out = config.out
+        self.points_dir = self.out / "points"
+        self._model = self._tokenizer = None
+        self._calibration = None
+        self._tokens: dict[str, torch.Tensor] | None = None
+        self.texts = self._text_names()
+
+    # ------------------------------------------------------------------ lazy shared state
+
+    def _text_names(self) -> list[str]:
+        names, seen = [], set()
+        for s in self.cfg.ppl_data:
+            name, k = text_name(s), 2
+            base = name
+            while name in seen:
+                name, k = f"{base}_{k}", k + 1
+            seen.add(name)
+            names.append(name)
+        return names
+
+    def model(self):
+        if self._model is None:
+            from .loading import load_model
+
+            self.log(f"loading {self.cfg.model}")
+            self._model, self._tokenizer, _ = load_model(self.cfg.model, dtype=self.cfg.dtype, device=self.cfg.device)
+        return self._model, self._tokenizer
+
+    def tokens(self) -> dict[str, torch.Tensor]:
+        if self._tokens is None:
+            _, tok = self.model()
+            self._tokens = {name: eval_tokens(src, tok, max_tokens=self.cfg.eval_tokens, text_column=self.cfg.text_column)
+                            for name, src in zip(self.texts, self.cfg.ppl_data)}
+        return self._tokens
+
+    def calibration(self):
+        if self._calibration is None:
+            _, tok = self.model()
+            self._calibration = calibration_data(self.cfg.compress_config("rana", 1.0), tok)
+        return self._calibration
+
+    # ------------------------------------------------------------------ points
+
+    def planned(self) -> list[tuple[str, float | None]]:
+        pts: list[tuple[str, float | None]] = [(DENSE, None)] if self.cfg.dense else []
+        return pts + [(m, f) for m in self.cfg.methods for f in self.cfg.flops]
+
+    def _path(self, method: str, flops: float | None) -> Path:
+        return self.points_dir / f"{point_name(method, flops)}.json"
+
+    def _done(self, method: str, flops: float | None) -> dict | None:
+        p = _read_point(self._path(method, flops))
+        if p is None:
+            return None
+        same = p.get("eval_settings") == json.loads(json.dumps(self.cfg.eval_settings()))
+        if method != DENSE:
+            same = same and p.get("compress_settings") == json.loads(json.dumps(self.cfg.compress_settings()))
+        if not same:
+            self.log(f"{point_name(method, flops)}: stored point has other settings; redoing it")
+            return None
+        return p
+
+    def _evaluate(self, model) -> dict:
+        _, tok = self.model()
+        return evaluate_model(model, tok, ppl_sources=self.tokens(), seq_len=self.cfg.seq_len,
+                              batch_size=self.cfg.eval_batch_size, progress=self.progress)
+
+    def _run_dense(self) -> dict:
+        model, _ = self.model()
+        t0 = time.perf_counter()
+        r = self._evaluate(model)
+        return {"method": DENSE, "target_flops": 1.0, "status": "ok", "ppl": r["ppl"], "flops": r["flops"],
+                "eval_wall_time_s": time.perf_counter() - t0}
+
+    def _run_point(self, method: str, flops: float) -> dict:
+        dense, tok = self.model()
+        calibration = self.calibration()
+        config = self.cfg.compress_config(method, flops)
+        model = copy.deepcopy(dense)
+        try:
+            try:
+                result = compress_model(model, tok, config, calibration,
+                                        progress=lambda what, d, t: self.progress(f"compress {what}", d, t))
+            except BudgetError as e:
+                return {"method": method, "target_flops": flops, "status": "infeasible", "error": str(e)}
+            plan = result.plan
+            plan["model"] = self.cfg.model
+            name = point_name(method, flops)
+            _write_json(self.points_dir / f"{name}.plan.json", plan)
+            if self.cfg.save_models:
+                from .io import save
+
+                save(result.model, tok, self.out / "models" / name, plan=plan, overwrite=True,
+                     extra={"method": method, "compress_config": config.to_dict()})
+            t0 = time.perf_counter()
+            r = self._evaluate(result.model)
+            hist = None
+            if rank_adapters(result.model):
+                first = next(iter(self.tokens().values()))
+                hist = rank_contributions(result.model, first, seq_len=self.cfg.seq_len,
+                                          batch_size=self.cfg.eval_batch_size, max_tokens=self.cfg.histogram_tokens)
+            return {
+                "method": method, "target_flops": flops, "status": "ok", "ppl": r["ppl"], "flops": r["flops"],
+                "heldout_flops": plan["measured_flops"], "heldout_measured_on": plan["measured_on"],
+                "plan_adapted_fraction": plan.get("adapted_fraction"), "plan_file": f"points/{name}.plan.json",
+                "compress_wall_time_s": plan.get("wall_time_s"), "eval_wall_time_s": time.perf_counter() - t0,
+                "layers": layer_summary(plan), "rank_contributions": hist,
+            }
+        finally:
+            del model
+            gc.collect()
+
+    def run(self) -> dict:
+        self.points_dir.mkdir(parents=True, exist_ok=True)
+        planned = self.planned()
+        points, done = [], 0
+        self.progress("points", 0, len(planned))
+        for method, flops in planned:
+            name = point_name(method, flops)
+            point = self._done(method, flops)
+            if point is not None:
+                self.log(f"{name}: done before, skipped")
+            else:
+                self.log(f"{name}: {'evaluating' if method == DENSE else 'compressing'}")
+                point = self._run_dense() if method == DENSE else self._run_point(method, flops)
+                point["eval_settings"] = self.cfg.eval_settings()
+                if method != DENSE:
+                    point["compress_settings"] = self.cfg.compress_settings()
+                _write_json(self._path(method, flops), point)
+                self.log(describe_point(point, self.texts))
+            points.append(point)
+            gc.collect()  # the point's compressed copy is gone; free it before the next deep copy
+            done += 1
+            self.progress("points", done, len(planned))
+        results = self.results(points)
+        write_outputs(results, self.out)
+        return results
+
+    def results(self, points: list[dict]) -> dict:
+        cfg = self.cfg
+        tokens: dict[str, int] = {}  # tokens scored per text (whole windows)
+        for p in points:
+            for n, r in (p.get("ppl") or {}).items():
+                tokens.setdefault(n, r.get("windows", 0) * r.get("seq_len", cfg.seq_len))
+        return {
+            "model": cfg.model,
+            "config": cfg.to_dict(),
+            "texts": self.texts,
+            "text_sources": dict(zip(self.texts, cfg.ppl_data)),
+            "eval_tokens_used": tokens,
+            "protocol": ppl_protocol(cfg.seq_len, cfg.eval_tokens),
+            "calibration": {"dataset": cfg.dataset or "bundled corpus", "tokens": cfg.calib_tokens, "seq_len": cfg.seq_len},
+            "figure_flops": cfg.figure_budget(),
+            "points": points,
+        }
+
+
+def describe_point(p: dict, texts: list[str]) -> str:
+    name = point_name(p["method"], p.get("target_flops") if p["method"] != DENSE else None)
+    if p.get("status") != "ok":
+        return f"{name}: {p.get('status')}: {p.get('error', '')}"
+    ppl = ", ".join(f"{t} {p['ppl'][t]['ppl']:.3f}" for t in texts if t in p["ppl"])
+    return f"{name}: measured FLOPs {p['flops']['fraction']:.4f} of dense; ppl {ppl}"
+
+
+def run_sweep(config: SweepConfig, *, progress: Progress | None = None, log: Log | None = None) -> dict:
+    """Run (or resume) a sweep and write its outputs under `config.out`; returns results.json's content."""
+    return Sweep(config, progress=progress, log=log).run()
+
+
+# ---------------------------------------------------------------------- outputs
+
+
+def _fmt(x, spec: str = ".3f") -> str:
+    if x is None:
+        return "—"
+    if isinstance(x, float) and not math.isfinite(x):
+        return str(x)
+    return format(x, spec)
+
+
+def results_markdown(results: dict) -> str:
+    texts = results["texts"]
+    cfg = results["config"]
+    lines = [f"# Sweep: {results['model']}", ""]
+    cal = results["calibration"]
+    lines += [f"- calibration: {cal['dataset']}, {cal['tokens']} tokens in {cal['seq_len']}-token windows "
+              f"(the held-aside part gives the `held-aside FLOPs` column)",
+              "- evaluation texts: " + ", ".join(f"{t} ({results['text_sources'][t]}, {results['eval_tokens_used'].get(t, '?')} tokens)"
+                                             for t in texts),
+              f"- protocol: {results['protocol']}",
+              "- `measured FLOPs` is the average per-token FLOPs the masks actually took on all evaluation tokens, "
+              "as a fraction of the dense model; `attn`/`mlp` are fractions of those parts' dense cost", ""]
+    head = ["method", "target", "measured FLOPs", "GFLOPs/tok", "attn", "mlp", "held-aside FLOPs"] + [f"ppl {t}" for t in texts]
+    lines += ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for p in results["points"]:
+        target = "dense" if p["method"] == DENSE else _fmt(p["target_flops"], "g")
+        if p.get("status") != "ok":
+            row = [p["method"], target, f"{p.get('status')}: {p.get('error', '').splitlines()[0] if p.get('error') else ''}"]
+            row += [""] * (len(head) - len(row))
+        else:
+            fl = p["flops"]
+            row = [p["method"], target, _fmt(fl["fraction"], ".4f"), _fmt(fl["gflops_per_token"], ".4g"),
+                   _fmt(fl["by_part"]["attention"]["fraction_of_part"]), _fmt(fl["by_part"]["mlp"]["fraction_of_part"]),
+                   _fmt(p.get("heldout_flops"), ".4f")]
+            row += [_fmt(p["ppl"][t]["ppl"]) if t in p["ppl"] else "—" for t in texts]
+        lines.append("| " + " | ".join(row) + " |")
+    figs = results.get("figures") or {}
+    if figs:
+        lines += ["", "## Figures", ""]
+        for key, f in figs.items():
+            if f:
+                lines.append(f"- {key}: [{f}]({f})")
+        for key, why in (results.get("figures_skipped") or {}).items():
+            lines.append(f"- {key}: not drawn ({why})")
+    lines.append("")
+    lines.append(f"Settings: `{json.dumps({k: cfg.get(k) for k in ('methods', 'flops', 'allocation', 'seq_len', 'eval_tokens', 'calib_tokens', 'seed')})}`")
+    return "\n".join(lines) + "\n"
+
+
+def write_figures(results: dict, out: Path) -> tuple[dict, dict]:
+    """Draw the figures; returns ({figure: file name}, {figure: why skipped})."""
+    from . import plots
+
+    out = Path(out)
+    points, texts, budget = results["points"], results["texts"], results.get("figure_flops")
+    figures, skipped = {}, {}
+    ok = [p for p in points if p.get("status") == "ok"]
+    title = results["model"]
+    if ok:
+        plots.plot_ppl_vs_flops(ok, texts, out / FIGURE_FILES["ppl_vs_flops"], title=title)
+        figures["ppl_vs_flops"] = FIGURE_FILES["ppl_vs_flops"]
+    at_budget = [p for p in ok if p["method"] != DENSE and budget is not None and abs(p["target_flops"] - budget) < 1e-9]
+    if at_budget:
+        plots.plot_layer_errors(at_budget, budget, out / FIGURE_FILES["layer_errors"], title=title)
+        figures["layer_errors"] = FIGURE_FILES["layer_errors"]
+    else:
+        skipped["layer_errors"] = "no compressed point at the figure budget"
+    hist_point = next((p for m in ("rana-paper", "rana", "svd") for p in at_budget
+                       if p["method"] == m and p.get("rank_contributions")), None)
+    if hist_point is not None:
+        plots.plot_rank_contributions(hist_point["rank_contributions"], out / FIGURE_FILES["rank_contributions"],
+                                      title=f"{title}: {hist_point['method']} @ {hist_point['target_flops']:g}, rank contributions")
+        figures["rank_contributions"] = FIGURE_FILES["rank_contributions"]
+    else:
+        skipped["rank_contributions"] = "no rank-adapter method (rana-paper, rana, svd) at the figure budget"
+    if at_budget and plots.layer_budget_varies(at_budget, budget):
+        plots.plot_layer_budget(at_budget, budget, out / FIGURE_FILES["layer_budget"], title=title)
+        figures["layer_budget"] = FIGURE_FILES["layer_budget"]
+    elif at_budget:
+        skipped["layer_budget"] = "every plan spends the same fraction in every layer"
+    return figures, skipped
+
+
+def write_outputs(results: dict, out: Path) -> None:
+    out = Path(out)
+    figures, skipped = write_figures(results, out)
+    results["figures"], results["figures_skipped"] = figures, skipped
+    _write_json(out / "results.json", results)
+    (out / "results.md").write_text(results_markdown(results))

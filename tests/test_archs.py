@@ -1,0 +1,164 @@
+"""Every registered architecture through the whole pipeline on tiny random configs (hidden 64,
+2 layers, vocab 128): compress → measured FLOPs on target → rana.io save/load gives the same
+logits → LAuReL (rw+lr) at init keeps them identical. Plus the registry paths against the
+installed transformers modules, per-layer calibration kwargs (sliding / global layers), fused
+gate_up (Phi-3) and the non-gated MLP (GPT-NeoX) for every method."""
+import pytest
+import torch
+
+from rana.accounting import layer_dims
+from rana.archs import UnsupportedArchitectureError, decoder_layers, get_arch, supported_model_types
+from rana.calibrate import LayerInputs, capture_first_layer_inputs, run_layer
+from rana.compress import compress_model
+from rana.io import load, save
+from rana.methods import _fused_gate_up_act, role_path
+from rana.modules import NeuronThresholdLinear, RankAdapterLinear
+from rana.modules.laurel import LaurelConfig, apply_laurel
+from helpers import tiny_calibration, tiny_compress_config, tiny_model
+
+ARCHS = ["llama", "mistral", "qwen2", "gemma", "gemma2", "gemma3_text", "gpt_neox", "phi3"]
+CPU = torch.device("cpu")
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    """Tiny matmuls on a shared, oversubscribed CPU run far faster single-threaded."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+def _ids(seed=3):
+    return torch.randint(0, 128, (2, 24), generator=torch.Generator().manual_seed(seed))
+
+
+def test_every_architecture_is_registered():
+    assert set(ARCHS) <= set(supported_model_types())
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_spec_paths_resolve_in_the_installed_transformers(arch):
+    model = tiny_model(arch)
+    spec = get_arch(model.config)
+    for path in (spec.layers, spec.embed, spec.final_norm, spec.lm_head):
+        model.get_submodule(path)
+    assert model.get_submodule(spec.lm_head) is model.get_output_embeddings()
+    assert model.get_submodule(spec.embed) is model.get_input_embeddings()
+    layer = decoder_layers(model, spec)[0]
+    attn, mlp = layer.get_submodule(spec.attn), layer.get_submodule(spec.mlp)
+    projections = [spec.qkv_fused] if spec.qkv_fused else [spec.q, spec.k, spec.v]
+    for name in projections + [spec.o]:
+        assert isinstance(attn.get_submodule(name), torch.nn.Linear)
+    for name in (spec.up, spec.gate, spec.gate_up_fused, spec.down):
+        if name:
+            assert isinstance(mlp.get_submodule(name), torch.nn.Linear)
+    assert callable(mlp.get_submodule(spec.act))
+    for norm in (spec.attn_norm, spec.mlp_norm, spec.attn_post_norm, spec.mlp_post_norm):
+        if norm:
+            layer.get_submodule(norm)
+    for role in ("qkv_in", "o", "mlp_in", "down"):
+        layer.get_submodule(role_path(spec, role))
+    # the analytic dense cost counts exactly the decoder layers' projection weights
+    dims = layer_dims(model.config)
+    n_linear = sum(p.numel() for n, p in layer.named_parameters() if p.dim() == 2)
+    d = dims[0]
+    assert d.q_out * d.hidden * 2 + 2 * d.kv_out * d.hidden + (3 if d.gated else 2) * d.intermediate * d.hidden == n_linear
+
+
+def test_arch_specifics():
+    gemma = tiny_model("gemma").config
+    assert layer_dims(gemma)[0].head_dim == 32 and layer_dims(gemma)[0].q_out == 128  # ≠ hidden
+    assert [d.sliding_window for d in layer_dims(tiny_model("gemma2").config)] == [8, None]
+    assert [d.sliding_window for d in layer_dims(tiny_model("gemma3_text").config)] == [8, None]
+    neox = tiny_model("gpt_neox").config
+    assert not get_arch(neox).gated and get_arch(neox).parallel_residual
+    assert layer_dims(neox)[0].kv_out == 64  # no GQA: fused qkv is 3 × hidden
+    neox.use_parallel_residual = False
+    assert not get_arch(neox).parallel_residual  # follows the config flag
+    assert get_arch(tiny_model("phi3").config).gated
+
+
+def test_unknown_architecture_says_what_is_supported_and_how_to_add_one():
+    with pytest.raises(UnsupportedArchitectureError, match=r"supported: .*gpt_neox.*phi3.*rana/archs/"):
+        get_arch("bert")
+
+
+@pytest.mark.parametrize("arch", ["gemma2", "gemma3_text"])
+def test_each_layer_gets_its_own_kwargs(arch):
+    """Sliding-window and global layers get different masks (and Gemma 3 different RoPE): the
+    layer-by-layer pipeline reproduces the model only with each layer's own kwargs."""
+    model = tiny_model(arch)
+    spec = get_arch(model.config)
+    ids = torch.randint(0, 128, (4, 32), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        ref = model(ids, output_hidden_states=True).hidden_states[-1]
+        captured = capture_first_layer_inputs(model, spec, ids, batch_size=2, device=CPU, offload=CPU)
+        first_only = LayerInputs(captured.hidden, [dict(kw) for kw in captured.kwargs])  # layer 0's for all
+        for layer in decoder_layers(model, spec):
+            captured = run_layer(layer, captured, device=CPU, offload=CPU)
+            first_only = run_layer(layer, first_only, device=CPU, offload=CPU)
+        norm = model.get_submodule(spec.final_norm)
+        assert torch.allclose(norm(torch.cat(captured.hidden)), ref, atol=1e-5)
+        assert not torch.allclose(norm(torch.cat(first_only.hidden)), ref, atol=1e-3)
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("method", ["rana", "rana-paper", "teal"])
+def test_pipeline(arch, method, tmp_path):
+    model = tiny_model(arch)
+    ids = _ids()
+    with torch.no_grad():
+        dense = model(ids).logits
+    result = compress_model(model, None, tiny_compress_config(method=method, flops=0.75), tiny_calibration())
+    assert result.plan["measured_flops"] == pytest.approx(0.75, abs=0.01)
+    with torch.no_grad():
+        logits = result.model(ids).logits
+    assert torch.isfinite(logits).all() and not torch.allclose(logits, dense)
+    for entry in result.plan["layers"]:
+        for step in ("attention", "mlp"):
+            assert 0 <= entry[step]["heldout_error"] < 1.0
+
+    save(result.model, None, tmp_path / "out", plan=result.plan)
+    loaded, _ = load(tmp_path / "out")
+    with torch.no_grad():
+        reloaded = loaded(ids).logits
+    assert torch.allclose(reloaded, logits, atol=1e-6, rtol=0)
+
+    apply_laurel(loaded, LaurelConfig(variant="rw+lr"))
+    with torch.no_grad():
+        assert torch.equal(loaded(ids).logits, reloaded)
+
+
+def test_fused_gate_up_is_one_stacked_adapter():
+    model = tiny_model("phi3")
+    mlp = model.model.layers[0].mlp
+    x = torch.randn(5, 64)
+    with torch.no_grad():  # the grid search's h = act(gate) * up off the fused output is the MLP's own
+        seen = {}
+        hook = mlp.down_proj.register_forward_pre_hook(lambda m, a: seen.setdefault("h", a[0]))
+        mlp(x)
+        hook.remove()
+        assert torch.allclose(_fused_gate_up_act(mlp.activation_fn, 160)(mlp.gate_up_proj(x)), seen["h"])
+    result = compress_model(model, None, tiny_compress_config(method="rana-paper", flops=0.7), tiny_calibration())
+    for entry in result.plan["layers"]:
+        comps = entry["mlp"]["components"]
+        assert set(comps) == {"gate_up", "down"} and len(entry["mlp"]["shares"]) == 2
+        assert comps["gate_up"]["out_features"] == 320
+    mlp = result.model.model.layers[0].mlp
+    assert isinstance(mlp.gate_up_proj, RankAdapterLinear) and mlp.gate_up_proj.out_features == 320
+    assert isinstance(mlp.down_proj, NeuronThresholdLinear)
+
+
+@pytest.mark.parametrize("arch", ["gpt_neox", "phi3"])
+def test_svd_on_non_gated_and_fused_mlps(arch):
+    result = compress_model(tiny_model(arch), None, tiny_compress_config(method="svd", flops=0.75), tiny_calibration())
+    assert result.plan["measured_flops"] == pytest.approx(0.75, abs=0.01)
+    names = set(result.plan["layers"][0]["mlp"]["components"])
+    assert names == ({"up", "down"} if arch == "gpt_neox" else {"gate_up", "down"})
+
+
+@pytest.mark.parametrize("arch,match", [("gpt_neox", "non-gated MLP"), ("phi3", "separate gate projection")])
+def test_cats_needs_a_separate_gate(arch, match):
+    with pytest.raises(UnsupportedArchitectureError, match=match):
+        compress_model(tiny_model(arch), None, tiny_compress_config(method="cats", flops=0.8), tiny_calibration())
