@@ -3,6 +3,7 @@
     python benchmarks/bench_decode.py                          # compress at F = 0.85 / 0.70 / 0.58, CPU (+ GPU)
     python benchmarks/bench_decode.py --from 0.70=DIR ...      # reuse rana folders instead of compressing
     python benchmarks/bench_decode.py --save-dir DIR           # keep the compressed folders (DIR/smollm2_f070)
+    python benchmarks/bench_decode.py --save-dir DIR --compress-only   # compress now, time later
     python benchmarks/bench_decode.py --quick                  # fewer tokens / repeats (smoke run)
 
 Writes benchmarks/results/decode_cpu.{md,json} (and decode_gpu.{md,json} when CUDA is available).
@@ -330,16 +331,18 @@ def main(argv=None) -> None:
     p.add_argument("--capture-steps", type=int, default=8)
     p.add_argument("--min-run-time", type=float, default=0.2)
     p.add_argument("--rounds", type=int, default=3)
-    p.add_argument("--threads", type=int, default=None)
+    p.add_argument("--threads", type=int, default=1,
+                   help="torch CPU threads (default 1: batch-1 GEMVs of a 135M model gain little from more, and on a "
+                        "shared machine OpenMP threads waiting for a busy core distort timings)")
     p.add_argument("--device", choices=("cpu", "cuda", "all"), default="all")
     p.add_argument("--profile", action="store_true", help="add per-op profiles of decode steps (CPU)")
     p.add_argument("--notes", help="markdown file appended to the report as a Notes section")
+    p.add_argument("--compress-only", action="store_true", help="only compress and save (needs --save-dir)")
     p.add_argument("--quick", action="store_true")
     args = p.parse_args(argv)
     if args.quick:
         args.new_tokens, args.repeats, args.warmup, args.rounds, args.min_run_time = 16, 2, 1, 1, 0.05
-    if args.threads:
-        torch.set_num_threads(args.threads)
+    torch.set_num_threads(args.threads)
 
     from transformers.utils import logging as hf_logging
 
@@ -349,6 +352,8 @@ def main(argv=None) -> None:
     hf_logging.disable_progress_bar()
     dense, tokenizer, _ = load_model(MODEL)
     models = compressed_models(args, dense.config)
+    if args.compress_only:
+        return
     devices = []
     if args.device in ("cpu", "all"):
         devices.append(torch.device("cpu"))

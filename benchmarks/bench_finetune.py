@@ -72,6 +72,7 @@ def main() -> None:
     p.add_argument("--lora-r", type=int, default=16)
     p.add_argument("--variants", default="lora,lora+laurel,full")
     p.add_argument("--threads", type=int, default=0, help="torch intra-op threads (0: torch's default)")
+    p.add_argument("--results", default=str(RESULTS), help="where finetune.md / finetune.json go")
     args = p.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -135,11 +136,13 @@ def main() -> None:
         "dense_macs_per_token": dense_macs, "train_data": TRAIN.name, "heldout_data": HELDOUT.name,
         "seq_len": args.seq_len, "batch_size": args.batch_size, "eval_tokens": args.eval_tokens,
         "lora_r": args.lora_r, "laurel_rank": args.laurel_rank, "device": "cpu", "threads": torch.get_num_threads(),
+        "tokens_per_variant": parse_tokens(args.tokens),
         "machine": platform.processor() or platform.machine(), "torch": torch.__version__,
     }
-    RESULTS.mkdir(parents=True, exist_ok=True)
-    (RESULTS / "finetune.json").write_text(json.dumps({"info": info, "rows": rows}, indent=2) + "\n")
-    (RESULTS / "finetune.md").write_text(render(info, rows) + "\n")
+    results = Path(args.results)
+    results.mkdir(parents=True, exist_ok=True)
+    (results / "finetune.json").write_text(json.dumps({"info": info, "rows": rows}, indent=2) + "\n")
+    (results / "finetune.md").write_text(render(info, rows) + "\n")
     print(render(info, rows))
 
 

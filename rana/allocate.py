@@ -66,19 +66,19 @@ def _block_energies(layer: nn.Module, spec: ArchSpec, inputs: LayerInputs, devic
 
 def profile_and_allocate(model: nn.Module, spec: ArchSpec, method: Method, fit: LayerInputs, held: LayerInputs,
                          uniform_fraction: float, dense_per_layer: list[dict], *,
-                         fit_sample_tokens: int, search_tokens: int, device, offload, step_error,
+                         fit_sample_tokens: int, search_tokens: int, device, offload, step_error, residency,
                          profile_share: float = 0.5, progress=None) -> Allocation:
     """Error curves for every block, then the greedy allocation of the same total budget."""
     layers = decoder_layers(model, spec)
     n_fit = max(1, int(round(len(fit.hidden) * profile_share)))
-    fit = LayerInputs(fit.hidden[:n_fit], fit.kwargs[:n_fit])
+    fit = LayerInputs(fit.hidden[:n_fit], fit.kwargs[:n_fit], fit.spill)
     roles = sorted({r for st in method.steps for r in st.targets})
     moments = tuple(sorted({r for st in method.steps for r in st.moments}))
     lo = method.min_fraction + 1e-3
     fractions = sorted({min(1.0, max(lo, uniform_fraction * m)) for m in PROFILE_MULTIPLIERS} - {1.0})
     curves, blocks, per_layer_curves = [], [], []
     for idx, layer in enumerate(layers):
-        layer.to(device)
+        residency.bring(idx, layer)
         targets = {r: layer.get_submodule(role_path(spec, r)) for r in roles}
         stats = collect_inputs(layer, fit, held, targets, device=device, stop_at=None, second_moment=moments,
                                fit_sample_tokens=fit_sample_tokens, layer_index=idx)
@@ -103,7 +103,7 @@ def profile_and_allocate(model: nn.Module, spec: ArchSpec, method: Method, fit: 
             layer_curves[name] = {"fractions": list(fractions) + [1.0], "errors": errors + [0.0], "weight": weight}
         fit = run_layer(layer, fit, device=device, offload=offload)
         held = run_layer(layer, held, device=device, offload=offload)
-        layer.to(offload)
+        residency.drop(idx, layer)  # profiling only measured it
         per_layer_curves.append(layer_curves)
         if progress:
             progress("profiling", idx + 1, len(layers))

@@ -96,9 +96,12 @@ def local_batches(n_batches: int, threshold_fraction: float = THRESHOLD_FRACTION
         raise ValueError(f"{n_batches} calibration batches cannot be split across {w} processes; "
                          "use more calibration tokens or a smaller --batch-size")
     roles = global_roles(n_batches, threshold_fraction)
+    # one round-robin over the moment batches, then the sample batches (balanced counts)
+    order = [b for kind in ("moment", "sample", "both") for b, k in enumerate(roles) if k == kind]
+    dealt = [b for j, b in enumerate(order) if j % w == r]
     mine = []
     for kind in ("moment", "sample", "both"):
-        ids = [b for b, k in enumerate(roles) if k == kind][r::w]
+        ids = [b for b in dealt if roles[b] == kind]
         offset = 0.25 if kind == "sample" else 0.5  # samples early, so short prefixes hold both kinds
         mine += [((j + offset) / len(ids), b, kind) for j, b in enumerate(ids)]
     return [(b, kind) for _, b, kind in sorted(mine)]

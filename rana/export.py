@@ -255,6 +255,56 @@ def check_sources(files: dict[str, str]) -> None:
 
 
 # --------------------------------------------------------------------------------------------
+# weights
+# --------------------------------------------------------------------------------------------
+def _tied_keys(model) -> set[str]:
+    """State-dict keys that transformers ties to another one (the LM head of tied embeddings)."""
+    tied = getattr(model, "all_tied_weights_keys", None)  # transformers >= 5: {target: source}
+    if tied is None:
+        tied = getattr(model, "_tied_weights_keys", None) or ()  # transformers 4: [target, ...]
+    return set(tied)
+
+
+def export_state_dict(model) -> dict:
+    """The model's state dict as saved in the export, tied copies dropped.
+
+    Keys are exactly the module paths of the exported class (no checkpoint-format renames such as
+    GPT-NeoX's `lm_head` → `embed_out`: the exported class is custom code, which transformers
+    loads without the stock class's key conversions). Tensors are returned as they are (adapter
+    weights are column-major views); a tensor sharing storage with an earlier one is cloned, as
+    safetensors requires."""
+    tied, seen, storages, out = _tied_keys(model), set(), set(), {}
+    for key, tensor in model.state_dict().items():
+        tensor = tensor.detach()
+        if tensor.device.type == "meta":
+            raise ValueError(f"'{key}' has no data (meta tensor); load the model fully before exporting")
+        ident = (tensor.data_ptr(), tuple(tensor.shape), tuple(tensor.stride()), tensor.dtype)
+        if tensor.numel() and ident in seen and key in tied:
+            continue  # tied to an earlier key; transformers ties it again on load
+        seen.add(ident)
+        storage = tensor.untyped_storage().data_ptr()
+        out[key] = tensor.clone() if tensor.numel() and storage in storages else tensor
+        storages.add(storage)
+    return out
+
+
+def write_weights(state: dict, folder: Path, max_shard_size: int | str) -> list[str]:
+    """safetensors file(s) as transformers writes them: sharded past max_shard_size with an index.
+    Each shard's tensors are made contiguous (row-major, the standard layout) only while it is written."""
+    from huggingface_hub import split_torch_state_dict_into_shards
+    from safetensors.torch import save_file
+
+    split = split_torch_state_dict_into_shards(state, filename_pattern="model{suffix}.safetensors",
+                                               max_shard_size=max_shard_size)
+    for filename, keys in split.filename_to_tensors.items():
+        save_file({k: state[k].contiguous() for k in keys}, str(folder / filename), metadata={"format": "pt"})
+    if split.is_sharded:
+        index = {"metadata": dict(split.metadata), "weight_map": dict(sorted(split.tensor_to_filename.items()))}
+        (folder / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
+    return sorted(split.filename_to_tensors)
+
+
+# --------------------------------------------------------------------------------------------
 # export
 # --------------------------------------------------------------------------------------------
 def _check_out_name(out: Path) -> None:
@@ -264,10 +314,10 @@ def _check_out_name(out: Path) -> None:
                          f"e.g. '{out.name.replace('.', '_')}'")
 
 
-def exported_config(saved: dict, meta: dict, config, model_cls: type) -> dict:
-    """config.json of the export, from the stock config.json written by save_pretrained."""
+def exported_config(meta: dict, config, model_cls: type) -> dict:
+    """config.json of the export: the stock config with the rana model type, classes and adapters."""
     config_name, model_name = f"Rana{type(config).__name__}", f"Rana{model_cls.__name__}"
-    out = dict(saved)
+    out = json.loads(config.to_json_string(use_diff=True))  # what save_pretrained would write
     out.update({
         "model_type": f"rana_{config.model_type}",
         "architectures": [model_name],
@@ -326,14 +376,13 @@ def export(src_dir: str | Path, out_dir: str | Path, *, overwrite: bool = False,
     model, _tokenizer = rana_io.load(src)
     sources = render_sources(model.config, type(model))  # fails before anything is written
     with rana_io.atomic_dir(out, overwrite=overwrite) as tmp:
-        model.save_pretrained(tmp, max_shard_size=max_shard_size)
-        saved = json.loads((tmp / "config.json").read_text())
+        write_weights(export_state_dict(model), tmp, max_shard_size)
         for f in sorted(src.iterdir()):  # tokenizer, generation config, plan.json, README, ...
             if f.is_file() and f.name not in _NOT_COPIED and f.suffix != ".safetensors" and f.name not in sources:
                 shutil.copy2(f, tmp / f.name)
         for name, text in sources.items():
             (tmp / name).write_text(text, encoding="utf-8")
-        config = exported_config(saved, meta, model.config, type(model))
+        config = exported_config(meta, model.config, type(model))
         (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")
         _normal_permissions(tmp)
     return out

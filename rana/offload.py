@@ -542,6 +542,12 @@ class Residency:
     def finish(self, model: nn.Module, plan: dict) -> None:
         peak = peak_memory_bytes(self.device)
         peak = distributed.all_reduce_max(peak)
+        if distributed.active():  # the meters were summed over processes: say so
+            from .accounting import metered_modules
+
+            tokens = max((m._tokens for m in metered_modules(model).values()), default=0)
+            plan["measured_on"] = (f"{tokens} held-aside calibration tokens over {distributed.world_size()} processes "
+                                   "(not used to fit thresholds)")
         plan["memory"] = {
             "device": str(self.device),
             "weights_home": "disk (streamed layer by layer)" if self.lazy is not None else str(self.offload),

