@@ -179,6 +179,16 @@ def test_finetune_writes_a_loadable_rana_folder(work, tmp_path):
     torch.manual_seed(0)
     qwen = Qwen2ForCausalLM(Qwen2Config(**SMALL)).eval()  # q/k/v biases; default method
     save(_compress(qwen, "rana").model, None, tmp_path / "q", plan={"config": {"model": "x"}})
+    # merge is exact for this adapter mix too (input-sparse / neuron q, k, v, o with biases)
+    tr = _Trainer(cfg(work, source=str(tmp_path / "q")), None, None)
+    model, _, _ = tr.build_model()
+    _perturb(model, seed=8)
+    sync_neuron_norms(model)
+    model.eval()
+    with torch.no_grad():
+        ref = model(input_ids=_batch(9)).logits
+        torch.testing.assert_close(_merge(tr, model)(input_ids=_batch(9)).logits, ref, atol=1e-5, rtol=1e-5)
+
     out = tmp_path / "out"
     logs = []
     r = finetune(cfg(work, source=str(tmp_path / "q"), out=str(out), save_every=3), on_log=logs.append)
@@ -263,6 +273,21 @@ def test_nan_loss_stops_and_keeps_last_good_checkpoint(work, tmp_path, monkeypat
     assert sorted(p.name for p in (out / CHECKPOINTS).glob("checkpoint-*")) == ["checkpoint-00000002", "checkpoint-00000004"]
     assert not (out / "model.safetensors").exists()
     assert "error" in (out / CHECKPOINTS / "train_log.jsonl").read_text().splitlines()[-1]
+
+
+def test_cli_reports_nan_with_nonzero_exit(work, tmp_path, monkeypatch):
+    from typer.testing import CliRunner
+
+    import rana.finetune as ft
+    from rana.cli.app import app
+
+    monkeypatch.setattr(ft, "_compute_loss", lambda model, batch: model(input_ids=batch, labels=batch).loss * float("nan"))
+    res = CliRunner().invoke(app, ["finetune", work.rana, "--data", work.data, "--tokens", "512", "--seq-len", "32",
+                                   "--out", str(tmp_path / "o")])
+    assert res.exit_code == 3, res.output
+    assert "loss became nan at step 1" in res.output.replace("\n", " ")
+    res = CliRunner().invoke(app, ["finetune", work.dense, "--data", work.data, "--out", str(tmp_path / "d")])
+    assert res.exit_code == 2 and "dense checkpoint" in res.output
 
 
 # ------------------------------------------------------------------------------------------ self-guided / sweep
