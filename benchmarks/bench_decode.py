@@ -79,29 +79,47 @@ def _folder_name(f: float) -> str:
 
 
 # ------------------------------------------------------------------------------------ per-unit timing
+UNIT_ORDER = ["qkv", "o", "gate", "up", "gate_up", "down"]
+
+
 def _units(model) -> list[dict]:
-    """Adapted units of every layer: {layer, name, paths (modules called with the same input), meter}."""
+    """Adapted units of every layer: {layer, name, paths (modules called with the same input), meters}.
+
+    qkv is one unit (its three projections share their input): a shared rank code + slices, or
+    per-projection adapters; o, gate, up (or a fused gate_up) and down are units of their own. A
+    unit counts when at least one of its modules is adapted; dense members cost the same in both."""
     from rana.archs import decoder_layers, get_arch
-    from rana.modules import (InputSparseLinear, NeuronThresholdLinear, RankAdapterLinear, RankSliceLinear,
-                              SharedRankCode)
+    from rana.modules import MacMeter, RankSliceLinear, SharedRankCode
 
     spec = get_arch(model.config)
     units = []
     for i, layer in enumerate(decoder_layers(model, spec)):
         prefix = f"{spec.layers}.{i}"
-        attn = layer.get_submodule(spec.attn)
-        qkv = [f"{spec.attn}.{p}" for p in (spec.q, spec.k, spec.v) if p]
-        if all(isinstance(layer.get_submodule(p), RankSliceLinear) for p in qkv):
-            code = next(m for m in attn.children() if isinstance(m, SharedRankCode))
-            units.append({"layer": i, "name": "qkv", "paths": [f"{prefix}.{p}" for p in qkv], "meters": [code]})
-        for role in ("gate", "up", "down"):
-            name = getattr(spec, role)
-            if name is None:
+        groups = {
+            "qkv": [f"{spec.attn}.{p}" for p in ((spec.qkv_fused,) if spec.qkv_fused else (spec.q, spec.k, spec.v))],
+            "o": [f"{spec.attn}.{spec.o}"],
+            "gate_up": [f"{spec.mlp}.{spec.gate_up_fused}"] if spec.gate_up_fused else [],
+            "gate": [f"{spec.mlp}.{spec.gate}"] if spec.gate and not spec.gate_up_fused else [],
+            "up": [f"{spec.mlp}.{spec.up}"] if spec.up and not spec.gate_up_fused else [],
+            "down": [f"{spec.mlp}.{spec.down}"],
+        }
+        for name, paths in groups.items():
+            if not paths:
                 continue
-            path = f"{spec.mlp}.{name}"
-            m = layer.get_submodule(path)
-            if isinstance(m, (RankAdapterLinear, NeuronThresholdLinear, InputSparseLinear)):
-                units.append({"layer": i, "name": role, "paths": [f"{prefix}.{path}"], "meters": [m]})
+            mods = [layer.get_submodule(p) for p in paths]
+            meters, dense_macs = [], 0.0
+            for m in mods:
+                if isinstance(m, RankSliceLinear):
+                    code = m._code()
+                    if code not in meters:
+                        meters.append(code)
+                elif isinstance(m, MacMeter):
+                    meters.append(m)
+                elif isinstance(m, torch.nn.Linear):
+                    dense_macs += m.in_features * m.out_features
+            if meters:
+                units.append({"layer": i, "name": name, "paths": [f"{prefix}.{p}" for p in paths], "meters": meters,
+                              "dense_member_macs": dense_macs})
     return units
 
 
@@ -152,8 +170,8 @@ def unit_timings(model, dense, inputs: dict, units: list[dict], device, min_run_
         for x in xs:
             for m in mods:
                 m(x)
-        macs = sum(m.measured_macs() for m in u["meters"])
-        dense_macs = sum(m.macs_dense for m in u["meters"])
+        macs = sum(m.measured_macs() for m in u["meters"]) + u["dense_member_macs"]
+        dense_macs = sum(m.macs_dense for m in u["meters"]) + u["dense_member_macs"]
         for meter in u["meters"]:
             meter.meter_on = False
 
@@ -199,7 +217,7 @@ def profile_step(model, ids: torch.Tensor, top: int = 12) -> list[dict]:
 # ------------------------------------------------------------------------------------ report
 def summarize_units(rows: list[dict]) -> dict:
     by_unit = {}
-    for name in sorted({r["unit"] for r in rows}, key=["qkv", "gate", "up", "down"].index):
+    for name in sorted({r["unit"] for r in rows}, key=UNIT_ORDER.index):
         rs = [r for r in rows if r["unit"] == name]
         by_unit[name] = {
             "flop_fraction": statistics.mean(r["flop_fraction"] for r in rs),
@@ -208,6 +226,7 @@ def summarize_units(rows: list[dict]) -> dict:
             "ideal_speedup": len(rs) / sum(r["flop_fraction"] for r in rs),
             "efficiency_median": statistics.median(r["efficiency"] for r in rs),
             "efficiency_min": min(r["efficiency"] for r in rs), "efficiency_max": max(r["efficiency"] for r in rs),
+            "layers": len(rs),
         }
     rs = rows
     by_unit["all adapted"] = {
