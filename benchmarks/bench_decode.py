@@ -89,7 +89,7 @@ def _units(model) -> list[dict]:
     per-projection adapters; o, gate, up (or a fused gate_up) and down are units of their own. A
     unit counts when at least one of its modules is adapted; dense members cost the same in both."""
     from rana.archs import decoder_layers, get_arch
-    from rana.modules import MacMeter, RankSliceLinear, SharedRankCode
+    from rana.modules import MacMeter, RankSliceLinear
 
     spec = get_arch(model.config)
     units = []
@@ -257,11 +257,13 @@ def _env(device) -> str:
             f"python {platform.python_version()}\n- date: {_dt.datetime.now().isoformat(timespec='seconds')}")
 
 
-def write_report(records: dict, device, args) -> None:
+def write_report(records: dict, device, args, env: str | None = None) -> None:
     RESULTS.mkdir(parents=True, exist_ok=True)
     tag = "gpu" if device.type == "cuda" else "cpu"
+    records.setdefault("env", env or _env(device))
+    records.setdefault("args", {k: v for k, v in vars(args).items() if k not in ("render", "notes")})
     (RESULTS / f"decode_{tag}.json").write_text(json.dumps(records, indent=1, default=float) + "\n")
-    lines = [f"# Batch-1 greedy decoding: compressed {MODEL} vs dense ({tag.upper()})", "", _env(device), "",
+    lines = [f"# Batch-1 greedy decoding: compressed {MODEL} vs dense ({tag.upper()})", "", records["env"], "",
              f"- model {MODEL}, float32, rana method, calibration {args.calib_tokens} tokens of `{args.dataset}`",
              f"- end to end: `rana.evaluate.latency_ratio`, prompt {records['prompt_tokens']} tokens, "
              f"{args.new_tokens} new tokens, median of {args.repeats} runs after {args.warmup} warm-up, compressed and "
@@ -288,8 +290,9 @@ def write_report(records: dict, device, args) -> None:
     lines += ["", "Per layer (the JSON has every unit):", "",
               "| F | layer | unit | f | dense µs | compressed µs | speedup | 1/f | efficiency |", "|---|---|---|---|---|---|---|---|---|"]
     for f, rows in records["units"].items():
+        n_layers = max(r["layer"] for r in rows) + 1
         for r in rows:
-            if r["layer"] in (0, len(rows) // 8, len(rows) // 4 - 1):
+            if r["layer"] in (0, n_layers // 2, n_layers - 1):
                 lines.append(f"| {float(f):.2f} | {r['layer']} | {r['unit']} | {r['flop_fraction']:.3f} | {r['dense_us']:.1f} | "
                              f"{r['us']:.1f} | {r['speedup']:.2f}× | {r['ideal_speedup']:.2f}× | {r['efficiency']:.2f} |")
     if records.get("profile"):
@@ -357,8 +360,17 @@ def main(argv=None) -> None:
     p.add_argument("--profile", action="store_true", help="add per-op profiles of decode steps (CPU)")
     p.add_argument("--notes", help="markdown file appended to the report as a Notes section")
     p.add_argument("--compress-only", action="store_true", help="only compress and save (needs --save-dir)")
+    p.add_argument("--render", metavar="JSON", help="only rewrite the markdown report from a results JSON")
     p.add_argument("--quick", action="store_true")
     args = p.parse_args(argv)
+    if args.render:
+        records = json.loads(Path(args.render).read_text())
+        for k, v in records.get("args", {}).items():
+            if k not in ("render", "notes") or getattr(args, k) is None:
+                setattr(args, k, v)
+        write_report(records, torch.device("cuda" if "cuda" in records["device"] else "cpu"), args,
+                     env=records.get("env"))
+        return
     if args.quick:
         args.new_tokens, args.repeats, args.warmup, args.rounds, args.min_run_time = 16, 2, 1, 1, 0.05
     torch.set_num_threads(args.threads)

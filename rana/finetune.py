@@ -30,7 +30,6 @@ trainable parameters only (the frozen base comes from the source folder again).
 """
 from __future__ import annotations
 
-import contextlib
 import gc
 import hashlib
 import json

@@ -21,12 +21,9 @@ needs_shared = pytest.mark.skipif(not (SHARED_DATA / "eval").is_dir(), reason="s
 @pytest.fixture(scope="module")
 def tokenizer() -> PreTrainedTokenizerFast:
     """An offline byte-level tokenizer (256 bytes + <eos>), no merges: any text round-trips."""
-    vocab = {c: i for i, c in enumerate(sorted(pre_tokenizers.ByteLevel.alphabet()))}
-    vocab["<eos>"] = len(vocab)
-    tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    return PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<eos>")
+    from helpers import byte_tokenizer
+
+    return byte_tokenizer()
 
 
 @pytest.fixture(scope="module")
