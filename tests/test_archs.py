@@ -130,6 +130,36 @@ def test_pipeline(arch, method, tmp_path):
         assert torch.equal(loaded(ids).logits, reloaded)
 
 
+@pytest.mark.parametrize("arch", ARCHS)
+def test_finetune_lora_and_laurel(arch, tmp_path):
+    """compress → LoRA + LAuReL fine-tune → saved folder reloads to the trained (merged) model, and
+    training moved both the LoRA deltas and the LAuReL parameters."""
+    from rana.finetune import FinetuneConfig, finetune
+    from rana.modules.laurel import LaurelResidual
+
+    result = compress_model(tiny_model(arch), None, tiny_compress_config(method="rana", flops=0.75),
+                            tiny_calibration())
+    save(result.model, None, tmp_path / "rana", plan=result.plan)
+    with torch.no_grad():
+        before = result.model(_ids()).logits
+    torch.save(torch.randint(0, 128, (2000,), generator=torch.Generator().manual_seed(5)), tmp_path / "train.pt")
+    cfg = FinetuneConfig(source=str(tmp_path / "rana"), out=str(tmp_path / "ft"), data=str(tmp_path / "train.pt"),
+                         tokens=6 * 4 * 32, seq_len=32, batch_size=4, lr=3e-3, laurel="rw+lr", laurel_rank=4,
+                         lora_r=4, eval_tokens=128, save_every=0, eval_every=0)
+    trained = finetune(cfg).model.eval()
+    apply_laurel(result.model, LaurelConfig(variant="rw+lr", rank=4))  # the untrained start, for comparison
+    init_state = {n: p for n, p in result.model.state_dict().items() if "laurel" in n}
+    trained_state = {n: p for n, p in trained.state_dict().items() if n in init_state}
+    assert init_state and trained_state.keys() == init_state.keys(), "LAuReL was not applied the same way"
+    assert any(not torch.equal(trained_state[n], init_state[n]) for n in init_state), "LAuReL did not train"
+    loaded, _ = load(tmp_path / "ft")
+    with torch.no_grad():
+        after = loaded(_ids()).logits
+        torch.testing.assert_close(after, trained(_ids()).logits, atol=1e-5, rtol=1e-5)
+    assert torch.isfinite(after).all() and not torch.allclose(after, before, atol=1e-4)
+    assert any(isinstance(m, LaurelResidual) for m in loaded.modules())
+
+
 def test_fused_gate_up_is_one_stacked_adapter():
     model = tiny_model("phi3")
     mlp = model.model.layers[0].mlp

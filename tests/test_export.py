@@ -43,6 +43,11 @@ CASES = {
     # transformers' stock checkpoint conversion (gpt_neox), here with LAuReL's previous-activation history
     "phi3_rana": ("phi3", "rana", False, None, "2GB"),
     "gpt_neox_laurel": ("gpt_neox", "rana", False, "rw+lr+pa", "2GB"),
+    # GeGLU MLPs, scaled embeddings, head_dim ≠ hidden / heads; gemma2/3: pre/post norms, sliding-window
+    # layers (gemma2 also soft-caps attention and final logits)
+    "gemma_rana_tied": ("gemma", "rana", True, None, "2GB"),
+    "gemma2_teal": ("gemma2", "teal", False, None, "2GB"),
+    "gemma3_laurel": ("gemma3_text", "rana", False, "rw+lr", "2GB"),
 }
 PROMPT = torch.tensor([[5, 17, 99, 3, 42, 8, 77, 120, 64, 1, 33, 12]])
 NEW_TOKENS = 8
