@@ -16,6 +16,8 @@ METHOD_STYLE = {
     "cats": dict(color="tab:blue", marker="^"),
     "svd": dict(color="tab:green", marker="v"),
     "teal": dict(color="tab:purple", marker="D"),
+    "rana-mixed": dict(color="tab:pink", marker="o", ls="--"),
+    "rana-wina": dict(color="tab:olive", marker="X", ls="--"),
 }
 
 

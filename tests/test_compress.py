@@ -12,7 +12,8 @@ from rana.modules import NeuronThresholdLinear, RankAdapterLinear
 from helpers import tiny_calibration, tiny_compress_config, tiny_model
 
 
-CASES = [("llama", m) for m in ("rana", "rana-paper", "svd", "teal", "cats")] + [("mistral", "rana"), ("qwen2", "rana")]
+CASES = ([("llama", m) for m in ("rana", "rana-paper", "svd", "teal", "cats", "rana-mixed", "rana-wina")]
+         + [("mistral", "rana"), ("qwen2", "rana")])
 
 
 @pytest.mark.parametrize("arch,method", CASES)
@@ -126,3 +127,22 @@ def test_nan_activations_are_reported():
         model.model.layers[0].input_layernorm.weight.fill_(float("nan"))
     with pytest.raises(CalibrationError, match="non-finite"):
         compress_model(model, None, tiny_compress_config(), tiny_calibration())
+
+
+@pytest.mark.parametrize("arch", ["llama", "phi3", "gpt_neox"])
+def test_sparse_family_ablations(arch):
+    """rana / rana-wina never build rank adapters; rana-wina keeps every projection at the
+    same fraction of its own cost (the equal split, also for a fused gate_up worth 2/3 of the MLP)."""
+    for method in ("rana", "rana-wina"):
+        result = compress_model(tiny_model(arch), None, tiny_compress_config(method=method, flops=0.7),
+                                tiny_calibration())
+        assert result.plan["measured_flops"] == pytest.approx(0.7, abs=0.01)
+        assert not any(isinstance(m, RankAdapterLinear) for m in result.model.modules())
+        for layer in result.plan["layers"]:
+            comps = layer["mlp"]["components"]
+            assert {c["kind"] for c in layer["attention"]["components"].values()} <= {"sparse", "dense"}
+            if method == "rana-wina":
+                dense = [c["dense_macs"] for c in comps.values()]
+                assert layer["mlp"]["shares"] == pytest.approx([d / sum(dense) for d in dense])
+                fractions = [c["expected_macs"] / c["dense_macs"] for c in comps.values()]
+                assert max(fractions) - min(fractions) < 0.02

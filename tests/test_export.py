@@ -36,7 +36,8 @@ SMALL = dict(hidden_size=64, intermediate_size=128, num_attention_heads=4, num_k
 CASES = {
     "llama_rana": ("llama", "rana", False, None, "2GB"),  # + a tokenizer
     "mistral_teal": ("mistral", "teal", False, None, "2GB"),
-    "qwen2_rana_tied": ("qwen2", "rana", True, None, "100KB"),  # q/k/v biases, tied, sharded
+    # q/k/v biases carried by stacked rank adapters (rana-mixed picks them here), tied, sharded
+    "qwen2_rana_tied": ("qwen2", "rana-mixed", True, None, "100KB"),
     "llama_cats": ("llama", "cats", False, None, "2GB"),
     "qwen2_laurel": ("qwen2", "rana", False, "rw+lr", "2GB"),
     # the architectures registered later: fused qkv / gate_up (phi3); parallel residual, LM head renamed by

@@ -12,8 +12,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import torch
-
 
 @dataclass(frozen=True)
 class ErrorCurve:
@@ -69,9 +67,3 @@ def allocate(curves: list[ErrorCurve], budget_macs: float) -> list[float]:
 
 def total_error(curves: list[ErrorCurve], fractions: list[float]) -> float:
     return float(sum(c.error_at(f) for c, f in zip(curves, fractions)))
-
-
-def relative_weights(block_energy: torch.Tensor, residual_energy: torch.Tensor) -> torch.Tensor:
-    """w_b = E‖block output‖² / E‖residual stream after the add‖²: a block's relative output
-    error times w_b is the relative perturbation it injects into the residual stream."""
-    return block_energy / residual_energy.clamp_min(1e-30)

@@ -125,9 +125,10 @@ class MlpComponent:
     """What the grid search needs of one rank-adapted projection (up or gate)."""
 
     weight: torch.Tensor  # o × i
-    U: torch.Tensor  # o × n orthonormal (Theorem 1)
-    stats: CodeStats = field(repr=False)
+    U: torch.Tensor | None = None  # o × n orthonormal (Theorem 1); None when rank adapters are not candidates
+    stats: CodeStats | None = field(default=None, repr=False)
     allow_sparse: bool = False  # also consider input sparsity and keep whichever errs less
+    allow_rank: bool = True  # consider B-masked rank adapters (needs U and stats)
     ref_eval: torch.Tensor | None = field(default=None, repr=False)  # W x on held-aside tokens (cache)
 
 
@@ -166,10 +167,11 @@ def _adapted_output(comp: MlpComponent, choice: RankChoice, x: torch.Tensor, whi
 
 def _best_projection_choice(comp: MlpComponent, x_fit, x_eval, budget: float, line_count: int) -> RankChoice:
     options = []
-    try:
-        options.append(line_search_rank(comp.stats, budget, count=line_count))
-    except ValueError:
-        pass
+    if comp.allow_rank:
+        try:
+            options.append(line_search_rank(comp.stats, budget, count=line_count))
+        except ValueError:
+            pass
     if comp.allow_sparse:
         if comp.ref_eval is None:
             comp.ref_eval = x_eval.float() @ comp.weight.float().T
@@ -191,8 +193,12 @@ def grid_search_mlp(
     step: float = 0.125,
     refine: bool = True,
     line_count: int = 12,
+    uniform_only: bool = False,
 ) -> MlpChoice:
-    """Grid over the split of `budget` MACs between up', gate' and down' (Sect. 4.2)."""
+    """Grid over the split of `budget` MACs between up', gate' and down' (Sect. 4.2).
+
+    `uniform_only` scores only the equal split (every projection keeps the same fraction of its
+    cost): the split that transfers best to text unlike the calibration data (see README)."""
     d_out, inter = down_weight.shape
     down_w = down_weight.float()
     col_norms = down_w.norm(dim=0)
@@ -231,12 +237,15 @@ def grid_search_mlp(
 
     parts = 3 if gate is not None else 2
     # the grid, plus the uniform split (every projection keeps the same fraction of its cost)
-    candidates = simplex_grid(parts, step) + [tuple([1.0 / parts] * parts)]
+    # the equal split: every projection keeps the same fraction of its own dense cost
+    costs = [float(up.weight.numel())] + ([float(gate.weight.numel())] if gate is not None else []) + [float(d_out * inter)]
+    uniform = [tuple(c / sum(costs) for c in costs)]
+    candidates = uniform if uniform_only else simplex_grid(parts, step) + uniform
     results = [c for c in (score(s) for s in candidates) if c is not None]
     if not results:
         raise ValueError(f"MLP budget {budget:.0f} MACs is too small for any split")
     best = min(results, key=lambda c: c.error)
-    if refine:
+    if refine and not uniform_only:
         half = step / 2
         neighbours = []
         for i in range(parts):
