@@ -2,9 +2,11 @@
 split the model's budget across layers and between attention and MLP (rana.math.allocate).
 
 Profiling runs the dense model layer by layer on part of the calibration fit tokens, and for
-each block runs the method's own search at a few budget fractions (a coarser MLP grid), on
-shallow copies of the layer that share its weights — so decompositions are computed once per
-block and reused across fractions. The sequential compression then runs as usual, each block
+each block (attention incl. o_proj, MLP) runs the method's own search at a few budget fractions
+(a coarser MLP grid) on shallow copies of the layer that share its weights, and measures what
+that block's compression alone does to the layer's output on held-aside tokens: the mean per-token
+relative perturbation of the residual stream. That is the loss proxy the greedy allocator
+spends the budget against. The sequential compression then runs as usual, each block
 with its allocated fraction; the per-layer search of the paper stays inside each share.
 """
 from __future__ import annotations
@@ -40,42 +42,29 @@ def _shared_copy(layer: nn.Module) -> nn.Module:
 
 
 @torch.no_grad()
-def _block_energies(layer: nn.Module, spec: ArchSpec, inputs: LayerInputs, device) -> dict[str, float]:
-    """Per block, the mean over tokens of ‖block output_t‖² / ‖residual stream after the layer_t‖².
+def _layer_outputs(layer: nn.Module, inputs: LayerInputs, device) -> list[torch.Tensor]:
+    return [_layer_output(layer(h.to(device), **_to(kw, device))).float() for h, kw in zip(inputs.hidden, inputs.kwargs)]
 
-    Per token, not a ratio of sums: the layer after normalises each token's residual on its own,
-    so what a block's error does downstream is its size relative to *that token's* residual.
-    A ratio of sums is dominated by the few tokens carrying massive activations (SmolLM2's layer-11
-    MLP writes ~98 % of the residual energy on them), which made every later block look
-    insensitive and the allocator cut them hardest (measured: worse than uniform at F = 0.85)."""
-    names = {"attention": spec.attn_post_norm or spec.attn, "mlp": spec.mlp_post_norm or spec.mlp}
-    current: dict[str, torch.Tensor] = {}
 
-    def hook(kind):
-        def fn(_m, _args, out):
-            y = out[0] if isinstance(out, tuple) else out
-            current[kind] = y.float().pow(2).sum(-1).flatten()
-        return fn
+def _per_token_perturbation(ref: list[torch.Tensor], out: list[torch.Tensor]) -> float:
+    """Mean over tokens of ‖Δy_t‖² / ‖y_t‖² at the layer output (the residual stream).
 
-    sums = {"attention": 0.0, "mlp": 0.0}
-    handles = [layer.get_submodule(p).register_forward_hook(hook(k)) for k, p in names.items()]
-    tokens = 0
-    try:
-        for h, kw in zip(inputs.hidden, inputs.kwargs):
-            y = _layer_output(layer(h.to(device), **_to(kw, device)))
-            residual = y.float().pow(2).sum(-1).flatten().clamp_min(1e-30)
-            for kind in sums:
-                sums[kind] += float((current[kind] / residual).sum())
-            tokens += residual.numel()
-    finally:
-        for hd in handles:
-            hd.remove()
-    return {k: v / max(tokens, 1) for k, v in sums.items()}
+    Per token, not a ratio of sums: the next layer normalises each token's residual on its own, so
+    what an error does downstream is its size relative to *that token's* residual. A ratio of sums
+    is dominated by the few tokens carrying massive activations (SmolLM2's layer-11 MLP writes
+    ~98 % of the residual energy on them), which made every later block look insensitive."""
+    total, tokens = 0.0, 0
+    for r, o in zip(ref, out):
+        num = (o - r).pow(2).sum(-1)
+        den = r.pow(2).sum(-1).clamp_min(1e-30)
+        total += float((num / den).sum())
+        tokens += num.numel()
+    return total / max(tokens, 1)
 
 
 def profile_and_allocate(model: nn.Module, spec: ArchSpec, method: Method, fit: LayerInputs, held: LayerInputs,
                          uniform_fraction: float, dense_per_layer: list[dict], *,
-                         fit_sample_tokens: int, search_tokens: int, device, offload, step_error, residency,
+                         fit_sample_tokens: int, search_tokens: int, device, offload, residency,
                          profile_share: float = 0.5, progress=None) -> Allocation:
     """Error curves for every block, then the greedy allocation of the same total budget."""
     layers = decoder_layers(model, spec)
@@ -91,25 +80,22 @@ def profile_and_allocate(model: nn.Module, spec: ArchSpec, method: Method, fit: 
         targets = {r: layer.get_submodule(role_path(spec, r)) for r in roles}
         stats = collect_inputs(layer, fit, held, targets, device=device, stop_at=None, second_moment=moments,
                                fit_sample_tokens=fit_sample_tokens, layer_index=idx)
-        energy = _block_energies(layer, spec, held, device)
+        reference = _layer_outputs(layer, held, device)
         layer_curves = {}
         for name in dict.fromkeys(step.block for step in method.steps):
             steps = [st for st in method.steps if st.block == name]
             dense_cost = sum(dense_per_layer[idx][p] for p in method.adapted_parts if _part_step(p) == name)
             errors = []
-            for f in fractions:
+            for f in fractions:  # this block alone compressed, the rest of the layer dense
                 work = _shared_copy(layer)
                 ctx = LayerContext(index=idx, layer=work, spec=spec, fraction=f, fit_sample_tokens=fit_sample_tokens,
                                    search_tokens=search_tokens, grid_step=0.25)
-                measure = step_error(ctx, name, stats, device)
                 for st in steps:
                     st.apply(ctx, stats)
-                errors.append(measure())
-            weight = energy[name]
-            weighted = tuple(weight * e for e in errors) + (0.0,)
-            curves.append(ErrorCurve(tuple(fractions) + (1.0,), weighted, dense_cost))
+                errors.append(_per_token_perturbation(reference, _layer_outputs(work, held, device)))
+            curves.append(ErrorCurve(tuple(fractions) + (1.0,), tuple(errors) + (0.0,), dense_cost))
             blocks.append((idx, name))
-            layer_curves[name] = {"fractions": list(fractions) + [1.0], "errors": errors + [0.0], "weight": weight}
+            layer_curves[name] = {"fractions": list(fractions) + [1.0], "errors": errors + [0.0]}
         fit = run_layer(layer, fit, device=device, offload=offload)
         held = run_layer(layer, held, device=device, offload=offload)
         residency.drop(idx, layer)  # profiling only measured it

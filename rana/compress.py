@@ -88,7 +88,7 @@ def compress_model(model: nn.Module, tokenizer, config: CompressConfig, calibrat
         allocation = profile_and_allocate(model, spec, method, fit, held, fraction, dense_macs_per_layer(model.config, config.seq_len),
                                           fit_sample_tokens=config.fit_sample_tokens,
                                           search_tokens=config.search_tokens, device=device, offload=offload,
-                                          step_error=_step_error, residency=residency, progress=progress)
+                                          residency=residency, progress=progress)
     t_profile = time.perf_counter() - t0
     layer_plans = []
     for idx, layer in enumerate(layers):

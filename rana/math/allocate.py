@@ -2,10 +2,10 @@
 buys the most measured quality.
 
 Every block b (a layer's attention projections, or its MLP) has a measured error curve
-err_b(f) at a few budget fractions f (f = 1 → dense, error 0), a dense cost D_b and a
-sensitivity weight w_b. We minimise Σ w_b·err_b(f_b) subject to Σ f_b·D_b = budget with
-f_b ∈ [f_min, 1]: greedily lower the block whose next step down on its (piecewise-linear)
-curve costs the least weighted error per MAC saved — TEAL's greedy block-wise allocation in
+err_b(f) at a few budget fractions f (f = 1 → dense, error 0) — in rana, the perturbation it
+causes at its layer's output — and a dense cost D_b. We minimise Σ err_b(f_b) subject to
+Σ f_b·D_b = budget with f_b ∈ [f_min, 1]: greedily lower the block whose next step down on its
+(piecewise-linear) curve costs the least error per MAC saved — TEAL's greedy block-wise allocation in
 spirit — and stop exactly on budget by interpolating the last step.
 """
 from __future__ import annotations
@@ -16,7 +16,7 @@ from dataclasses import dataclass
 @dataclass(frozen=True)
 class ErrorCurve:
     fractions: tuple[float, ...]  # ascending, last one 1.0
-    errors: tuple[float, ...]  # weighted errors at those fractions (0 at 1.0)
+    errors: tuple[float, ...]  # errors at those fractions (0 at 1.0)
     dense_macs: float
 
     def error_at(self, f: float) -> float:
