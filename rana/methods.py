@@ -130,38 +130,47 @@ def install_rank_qkv(ctx: LayerContext, A: torch.Tensor, B: torch.Tensor, bias: 
 # ---------------------------------------------------------------------------- RaNA (paper)
 
 
-def _sparse_qkv(ctx: LayerContext, x_fit: torch.Tensor, x_eval: torch.Tensor, fraction: float) -> tuple[float, dict]:
+def _sparse_qkv(ctx: LayerContext, x_fit: torch.Tensor, x_eval: torch.Tensor, fraction: float,
+                weighted: bool = True) -> tuple[float, dict]:
     """Score per-projection input sparsity (|x_j|·‖W[:, j]‖) for q, k, v at `fraction`;
     returns the stacked relative error and an installer."""
     picks = []
     for path, m in _qkv_modules(ctx):
-        picks.append((path, m, input_sparse_choice(x_fit, x_eval, m.weight.detach(), fraction * m.weight.numel())))
+        picks.append((path, m, input_sparse_choice(x_fit, x_eval, m.weight.detach(), fraction * m.weight.numel(),
+                                                   weighted=weighted)))
     ref = torch.cat([x_eval.float() @ m.weight.float().T for _, m, _ in picks], -1)
     err_energy = sum(c.error * float((x_eval.float() @ m.weight.float().T).pow(2).sum()) for _, m, c in picks)
-    return err_energy / float(ref.pow(2).sum().clamp_min(1e-30)), {"picks": picks}
+    return err_energy / float(ref.pow(2).sum().clamp_min(1e-30)), {"picks": picks, "weighted": weighted}
 
 
-def _install_sparse_qkv(ctx: LayerContext, picks) -> dict:
+def _sparse_module(weight: torch.Tensor, bias, threshold: float, weighted: bool) -> nn.Module:
+    """Contribution-scored (|x_j|·‖W[:, j]‖) or magnitude-scored (|x_j|) input sparsity."""
+    cls = NeuronThresholdLinear if weighted else InputSparseLinear
+    return cls(weight, bias, threshold)
+
+
+def _install_sparse_qkv(ctx: LayerContext, picks, weighted: bool = True) -> dict:
     entries = {}
     for path, m, c in picks:
         o, i = m.weight.shape
-        set_submodule(ctx.layer, path, NeuronThresholdLinear(m.weight.detach(), m.bias, c.threshold))
-        entries[path.rsplit(".", 1)[-1]] = _entry("sparse", path=path, in_features=i, out_features=o, threshold=c.threshold,
+        set_submodule(ctx.layer, path, _sparse_module(m.weight.detach(), m.bias, c.threshold, weighted))
+        entries[path.rsplit(".", 1)[-1]] = _entry("sparse" if weighted else "input_sparse", path=path, in_features=i, out_features=o, threshold=c.threshold,
                                                   expected_active=c.expected_active, expected_macs=c.macs,
                                                   dense_macs=float(o * i), search_error=c.error)
     return entries
 
 
 def _rana_attention(ctx: LayerContext, stats: dict[str, InputStats], *, adaptive: bool = True,
-                    allow_sparse: bool = False, allow_rank: bool = True) -> dict:
+                    allow_sparse: bool = False, allow_rank: bool = True, weighted: bool = True) -> dict:
     mods = _qkv_modules(ctx)
     W, bias = _stacked([m for _, m in mods])
     o, i = W.shape
     s = stats["qkv_in"]
     if not allow_rank:  # input sparsity only: no decomposition needed
         x_fit, x_eval = s.cached(("rows", ctx.fit_sample_tokens, ctx.search_tokens), lambda: _fit_eval(ctx, s))
-        sparse_err, sparse = _sparse_qkv(ctx, x_fit, x_eval, ctx.fraction)
-        return _summary(_install_sparse_qkv(ctx, sparse["picks"]), choice={"qkv": "sparse", "sparse_error": sparse_err})
+        sparse_err, sparse = _sparse_qkv(ctx, x_fit, x_eval, ctx.fraction, weighted=weighted)
+        return _summary(_install_sparse_qkv(ctx, sparse["picks"], weighted),
+                        choice={"qkv": "sparse", "sparse_error": sparse_err})
     key = tuple(id(m.weight) for _, m in mods)
     dec = s.cached(("dec", key), lambda: decompose(W, s.moment))
     x_fit, x_eval = s.cached(("rows", ctx.fit_sample_tokens, ctx.search_tokens), lambda: _fit_eval(ctx, s))
@@ -189,17 +198,17 @@ def _rana_attention(ctx: LayerContext, stats: dict[str, InputStats], *, adaptive
     return _summary({"qkv": entry})
 
 
-def _o_sparse(ctx: LayerContext, s: InputStats) -> dict:
+def _o_sparse(ctx: LayerContext, s: InputStats, weighted: bool = True) -> dict:
     """o_proj (square, so a rank adapter's dense `B x` is too costly): input sparsity."""
     path = role_path(ctx.spec, "o")
     lin = ctx.module(path)
     o, i = lin.weight.shape
     x_fit, x_eval = _fit_eval(ctx, s)
-    c = input_sparse_choice(x_fit, x_eval, lin.weight.detach(), ctx.fraction * o * i)
+    c = input_sparse_choice(x_fit, x_eval, lin.weight.detach(), ctx.fraction * o * i, weighted=weighted)
     if c.dense:
         return _entry("dense", in_features=i, out_features=o, expected_macs=float(o * i), dense_macs=float(o * i))
-    set_submodule(ctx.layer, path, NeuronThresholdLinear(lin.weight.detach(), lin.bias, c.threshold))
-    return _entry("sparse", path=path, in_features=i, out_features=o, threshold=c.threshold,
+    set_submodule(ctx.layer, path, _sparse_module(lin.weight.detach(), lin.bias, c.threshold, weighted))
+    return _entry("sparse" if weighted else "input_sparse", path=path, in_features=i, out_features=o, threshold=c.threshold,
                   expected_active=c.expected_active, expected_macs=c.macs, dense_macs=float(o * i), search_error=c.error)
 
 
@@ -214,10 +223,11 @@ def _mlp_parts(ctx: LayerContext):
 
 
 def _rana_mlp(ctx: LayerContext, stats: dict[str, InputStats], *, allow_sparse: bool = False, allow_rank: bool = True,
-              uniform_split: bool = False) -> dict:
+              uniform_split: bool = False, weighted: bool = True) -> dict:
     spec = ctx.spec
     if spec.gate_up_fused:
-        return _rana_mlp_fused(ctx, stats, allow_sparse=allow_sparse, allow_rank=allow_rank, uniform_split=uniform_split)
+        return _rana_mlp_fused(ctx, stats, allow_sparse=allow_sparse, allow_rank=allow_rank, uniform_split=uniform_split,
+                               weighted=weighted)
     mlp, up, gate, down, act = _mlp_parts(ctx)
     s = stats["mlp_in"]
     x_fit, x_eval = s.cached(("rows", ctx.fit_sample_tokens, ctx.search_tokens), lambda: _fit_eval(ctx, s))
@@ -226,7 +236,8 @@ def _rana_mlp(ctx: LayerContext, stats: dict[str, InputStats], *, allow_sparse: 
         if lin is None:
             continue
         if not allow_rank:
-            comps[name] = (None, MlpComponent(weight=lin.weight.detach(), allow_sparse=True, allow_rank=False))
+            comps[name] = (None, MlpComponent(weight=lin.weight.detach(), allow_sparse=True, allow_rank=False,
+                                              weighted=weighted))
             continue
         dec = s.cached(("dec", id(lin.weight)), lambda: decompose(lin.weight, s.moment))
         codes = s.cached(("codes", id(lin.weight)),
@@ -236,7 +247,8 @@ def _rana_mlp(ctx: LayerContext, stats: dict[str, InputStats], *, allow_sparse: 
     dense_mlp = float(inter * d_out * (3 if gate is not None else 2))
     budget = ctx.fraction * dense_mlp
     choice = grid_search_mlp(x_fit, x_eval, comps["up"][1], comps["gate"][1] if gate is not None else None,
-                             down.weight.detach(), act, budget, step=ctx.grid_step, uniform_only=uniform_split)
+                             down.weight.detach(), act, budget, step=ctx.grid_step, uniform_only=uniform_split,
+                             weighted_down=weighted)
     entries = {}
     for name, lin, rc in (("up", up, choice.up), ("gate", gate, choice.gate)):
         if lin is None:
@@ -247,8 +259,8 @@ def _rana_mlp(ctx: LayerContext, stats: dict[str, InputStats], *, allow_sparse: 
             continue
         path = f"{spec.mlp}.{getattr(spec, name)}"
         if rc.kind == "sparse":
-            set_submodule(ctx.layer, path, NeuronThresholdLinear(lin.weight.detach(), lin.bias, rc.threshold))
-            entries[name] = _entry("sparse", path=path, in_features=i, out_features=o, threshold=rc.threshold,
+            set_submodule(ctx.layer, path, _sparse_module(lin.weight.detach(), lin.bias, rc.threshold, weighted))
+            entries[name] = _entry("sparse" if weighted else "input_sparse", path=path, in_features=i, out_features=o, threshold=rc.threshold,
                                    expected_active=rc.expected_active, expected_macs=rc.macs, dense_macs=float(o * i),
                                    line_search_error=rc.error)
             continue
@@ -258,8 +270,9 @@ def _rana_mlp(ctx: LayerContext, stats: dict[str, InputStats], *, allow_sparse: 
         entries[name] = _entry("rank", path=f"{spec.mlp}.{getattr(spec, name)}", in_features=i, out_features=o, rank=rc.rank, threshold=rc.threshold,
                                expected_active=rc.expected_active, expected_macs=rc.macs, dense_macs=float(o * i),
                                line_search_error=rc.error)
-    set_submodule(mlp, spec.down, NeuronThresholdLinear(down.weight.detach(), down.bias, choice.down_threshold))
-    entries["down"] = _entry("neuron", path=f"{spec.mlp}.{spec.down}", in_features=inter, out_features=d_out, threshold=choice.down_threshold,
+    set_submodule(mlp, spec.down, _sparse_module(down.weight.detach(), down.bias, choice.down_threshold, weighted))
+    entries["down"] = _entry("neuron" if weighted else "input_sparse", path=f"{spec.mlp}.{spec.down}", in_features=inter,
+                             out_features=d_out, threshold=choice.down_threshold,
                              expected_active=choice.down_active, expected_macs=choice.down_macs,
                              dense_macs=float(inter * d_out))
     return _summary(entries, shares=choice.shares, search_error=choice.error)
@@ -271,7 +284,7 @@ def _fused_gate_up_act(act: Callable, inter: int) -> Callable[[torch.Tensor], to
 
 
 def _rana_mlp_fused(ctx: LayerContext, stats: dict[str, InputStats], *, allow_sparse: bool = False,
-                    allow_rank: bool = True, uniform_split: bool = False) -> dict:
+                    allow_rank: bool = True, uniform_split: bool = False, weighted: bool = True) -> dict:
     """RaNA on an MLP whose gate and up are one fused linear (`spec.gate_up_fused`, gate rows
     first): the fused [W_gate; W_up] is ONE stacked rank adapter with one B-masker (as stacked
     QKV), the down projection is neuron-thresholded, and the grid search splits the MLP budget
@@ -291,17 +304,17 @@ def _rana_mlp_fused(ctx: LayerContext, stats: dict[str, InputStats], *, allow_sp
         codes = s.cached(("codes", id(lin.weight)), lambda: code_stats(x_fit, x_eval, W, dec.U.T @ W.double()))
         comp = MlpComponent(weight=W, U=dec.U, allow_sparse=allow_sparse, stats=codes)
     else:
-        dec, comp = None, MlpComponent(weight=W, allow_sparse=True, allow_rank=False)
+        dec, comp = None, MlpComponent(weight=W, allow_sparse=True, allow_rank=False, weighted=weighted)
     budget = ctx.fraction * float(3 * inter * d_out)
     choice = grid_search_mlp(x_fit, x_eval, comp, None, down.weight.detach(), _fused_gate_up_act(act, inter), budget,
-                             step=ctx.grid_step, uniform_only=uniform_split)
+                             step=ctx.grid_step, uniform_only=uniform_split, weighted_down=weighted)
     rc, path = choice.up, f"{spec.mlp}.{spec.gate_up_fused}"
     entries = {}
     if rc.dense:
         entries["gate_up"] = _entry("dense", in_features=i, out_features=o, expected_macs=float(o * i), dense_macs=float(o * i))
     elif rc.kind == "sparse":
-        set_submodule(ctx.layer, path, NeuronThresholdLinear(W, lin.bias, rc.threshold))
-        entries["gate_up"] = _entry("sparse", path=path, in_features=i, out_features=o, threshold=rc.threshold,
+        set_submodule(ctx.layer, path, _sparse_module(W, lin.bias, rc.threshold, weighted))
+        entries["gate_up"] = _entry("sparse" if weighted else "input_sparse", path=path, in_features=i, out_features=o, threshold=rc.threshold,
                                     expected_active=rc.expected_active, expected_macs=rc.macs, dense_macs=float(o * i),
                                     line_search_error=rc.error)
     else:
@@ -311,8 +324,9 @@ def _rana_mlp_fused(ctx: LayerContext, stats: dict[str, InputStats], *, allow_sp
         entries["gate_up"] = _entry("rank", path=path, in_features=i, out_features=o, rank=rc.rank, threshold=rc.threshold,
                                     expected_active=rc.expected_active, expected_macs=rc.macs, dense_macs=float(o * i),
                                     line_search_error=rc.error)
-    set_submodule(mlp, spec.down, NeuronThresholdLinear(down.weight.detach(), down.bias, choice.down_threshold))
-    entries["down"] = _entry("neuron", path=f"{spec.mlp}.{spec.down}", in_features=inter, out_features=d_out,
+    set_submodule(mlp, spec.down, _sparse_module(down.weight.detach(), down.bias, choice.down_threshold, weighted))
+    entries["down"] = _entry("neuron" if weighted else "input_sparse", path=f"{spec.mlp}.{spec.down}", in_features=inter,
+                             out_features=d_out,
                              threshold=choice.down_threshold, expected_active=choice.down_active,
                              expected_macs=choice.down_macs, dense_macs=float(inter * d_out))
     return _summary(entries, shares=choice.shares, search_error=choice.error)
@@ -426,6 +440,7 @@ DESCRIPTIONS = {
     "rana-mixed": "ablation: per projection the better of a B-masked Theorem-1 rank adapter and contribution-scored "
                   "input sparsity, chosen by held-aside error at equal FLOPs; otherwise as rana",
     "rana-wina": "ablation: as rana but every projection at the layer's fraction (no split search)",
+    "rana-abs": "ablation: as rana but inputs scored by |x_j| alone (TEAL's score) instead of |x_j|·‖W[:, j]‖",
 }
 _ATTN = ("q", "k", "v")
 _MLP = ("up", "gate", "down")
@@ -433,16 +448,18 @@ _MLP = ("up", "gate", "down")
 
 def get_method(name: str) -> Method:
     qkv_step = lambda fn, moments=("qkv_in",): Step(targets=("qkv_in",), stop="qkv_in", moments=moments, apply=fn)  # noqa: E731
-    if name in ("rana", "rana-mixed", "rana-wina"):
-        # the default and its two ablations (README "Methods"): same steps, different candidates
+    if name in DESCRIPTIONS:
+        # the default and its ablations (README "Methods"): same steps, different candidates / scores
         rank = name == "rana-mixed"
         uniform = name == "rana-wina"
+        weighted = name != "rana-abs"
         return Method(name, _ATTN + ("o",) + _MLP,
-                      [qkv_step(lambda c, s: _rana_attention(c, s, allow_sparse=True, allow_rank=rank),
+                      [qkv_step(lambda c, s: _rana_attention(c, s, allow_sparse=True, allow_rank=rank, weighted=weighted),
                                 moments=("qkv_in",) if rank else ()),
-                       Step(("o",), "o", (), lambda c, s: _summary({"o": _o_sparse(c, s["o"])})),
+                       Step(("o",), "o", (), lambda c, s: _summary({"o": _o_sparse(c, s["o"], weighted)})),
                        Step(("mlp_in",), "mlp_in", ("mlp_in",) if rank else (),
-                            lambda c, s: _rana_mlp(c, s, allow_sparse=True, allow_rank=rank, uniform_split=uniform),
+                            lambda c, s: _rana_mlp(c, s, allow_sparse=True, allow_rank=rank, uniform_split=uniform,
+                                                   weighted=weighted),
                             "mlp")],
                       min_fraction=0.02, description=DESCRIPTIONS[name])
     if name == "rana-paper":

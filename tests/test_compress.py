@@ -12,7 +12,7 @@ from rana.modules import NeuronThresholdLinear, RankAdapterLinear
 from helpers import tiny_calibration, tiny_compress_config, tiny_model
 
 
-CASES = ([("llama", m) for m in ("rana", "rana-paper", "svd", "teal", "cats", "rana-mixed", "rana-wina")]
+CASES = ([("llama", m) for m in ("rana", "rana-paper", "svd", "teal", "cats", "rana-mixed", "rana-wina", "rana-abs")]
          + [("mistral", "rana"), ("qwen2", "rana")])
 
 
@@ -146,3 +146,16 @@ def test_sparse_family_ablations(arch):
                 assert layer["mlp"]["shares"] == pytest.approx([d / sum(dense) for d in dense])
                 fractions = [c["expected_macs"] / c["dense_macs"] for c in comps.values()]
                 assert max(fractions) - min(fractions) < 0.02
+
+
+def test_abs_ablation_scores_inputs_by_magnitude():
+    """rana-abs: TEAL's |x_j| score (InputSparseLinear) on every projection, split still searched."""
+    from rana.modules import InputSparseLinear
+
+    result = compress_model(tiny_model("llama"), None, tiny_compress_config(method="rana-abs", flops=0.7),
+                            tiny_calibration())
+    assert result.plan["measured_flops"] == pytest.approx(0.7, abs=0.01)
+    layer = result.model.model.layers[0]
+    for m in (layer.self_attn.q_proj, layer.self_attn.o_proj, layer.mlp.up_proj, layer.mlp.down_proj):
+        assert isinstance(m, InputSparseLinear)
+    assert not any(isinstance(m, NeuronThresholdLinear) for m in result.model.modules())

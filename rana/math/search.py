@@ -90,16 +90,17 @@ def line_search_rank(stats: CodeStats, budget: float, *, count: int = 12) -> Ran
 
 
 def input_sparse_choice(x_fit: torch.Tensor, x_eval: torch.Tensor, weight: torch.Tensor, budget: float,
-                        ref_eval: torch.Tensor | None = None) -> RankChoice:
+                        ref_eval: torch.Tensor | None = None, weighted: bool = True) -> RankChoice:
     """Input sparsity for a budget: keep inputs with |x_j|·‖W[:, j]‖ ≥ t, cost o·E[k].
 
     The score is input j's exact contribution norm to the output (a neuron-thresholding mask on
-    the input side; TEAL's plain |x_j| ignores how large W's column is)."""
+    the input side; TEAL's plain |x_j| ignores how large W's column is). `weighted=False` scores
+    by |x_j| alone (TEAL's score)."""
     o, i = weight.shape
     if budget >= i * o:
         return RankChoice(rank=0, threshold=-math.inf, expected_active=float(i), macs=float(i * o), error=0.0, kind="dense")
     W = weight.float()
-    norms = W.norm(dim=0)
+    norms = W.norm(dim=0) if weighted else torch.ones(i)
     keep = budget / (o * i)
     t = threshold_for_keep_fraction(neuron_scores(x_fit.float(), norms), keep)
     xe = x_eval.float()
@@ -129,6 +130,7 @@ class MlpComponent:
     stats: CodeStats | None = field(default=None, repr=False)
     allow_sparse: bool = False  # also consider input sparsity and keep whichever errs less
     allow_rank: bool = True  # consider B-masked rank adapters (needs U and stats)
+    weighted: bool = True  # input-sparsity score |x_j|·‖W[:, j]‖ (False: |x_j|, TEAL's)
     ref_eval: torch.Tensor | None = field(default=None, repr=False)  # W x on held-aside tokens (cache)
 
 
@@ -157,7 +159,8 @@ def _adapted_output(comp: MlpComponent, choice: RankChoice, x: torch.Tensor, whi
         return x.float() @ comp.weight.float().T
     if choice.kind == "sparse":
         W = comp.weight.float()
-        return (x.float() * (neuron_scores(x.float(), W.norm(dim=0)) >= choice.threshold)) @ W.T
+        norms = W.norm(dim=0) if comp.weighted else torch.ones(W.shape[1])
+        return (x.float() * (neuron_scores(x.float(), norms) >= choice.threshold)) @ W.T
     B = comp.U[:, : choice.rank].T.float() @ comp.weight.float()
     z = x.float() @ B.T
     if choice.threshold != -math.inf:
@@ -175,7 +178,7 @@ def _best_projection_choice(comp: MlpComponent, x_fit, x_eval, budget: float, li
     if comp.allow_sparse:
         if comp.ref_eval is None:
             comp.ref_eval = x_eval.float() @ comp.weight.float().T
-        options.append(input_sparse_choice(x_fit, x_eval, comp.weight, budget, comp.ref_eval))
+        options.append(input_sparse_choice(x_fit, x_eval, comp.weight, budget, comp.ref_eval, weighted=comp.weighted))
     if not options:
         raise ValueError(f"budget {budget:.0f} MACs is too small for this projection")
     return min(options, key=lambda c: c.error)
@@ -194,14 +197,16 @@ def grid_search_mlp(
     refine: bool = True,
     line_count: int = 12,
     uniform_only: bool = False,
+    weighted_down: bool = True,
 ) -> MlpChoice:
     """Grid over the split of `budget` MACs between up', gate' and down' (Sect. 4.2).
 
     `uniform_only` scores only the equal split (every projection keeps the same fraction of its
-    cost): the split that transfers best to text unlike the calibration data (see README)."""
+    own cost; the rana-wina ablation). `weighted_down=False` scores down's inputs by |h_i| alone
+    (TEAL's score) instead of the contribution |h_i|·‖W_down[:, i]‖."""
     d_out, inter = down_weight.shape
     down_w = down_weight.float()
-    col_norms = down_w.norm(dim=0)
+    col_norms = down_w.norm(dim=0) if weighted_down else torch.ones(inter)  # down's input score
     up_ref = x_eval.float() @ up.weight.float().T
     ref_eval = act(x_eval.float() @ gate.weight.float().T) * up_ref if gate is not None else act(up_ref)
     ref_out = ref_eval @ down_w.T
