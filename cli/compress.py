@@ -47,7 +47,7 @@ def register(app: typer.Typer) -> None:
         model: str = typer.Argument(..., help="alias (smollm2-135m, llama2-7b, …), hub id, local folder or .gguf file"),
         flops: float = typer.Option(0.58, "--flops", help="fraction of the dense model's per-token FLOPs to keep, in (0, 1]"),
         out: Path = typer.Option(..., "--out", "-o", help="output folder (must not exist unless --overwrite)"),
-        method: str = typer.Option("rana", help="rana | rana-paper | cats | svd | teal (ablations: rana-mixed, rana-wina)"),
+        method: str = typer.Option("rana", help="rana | rana-paper | cats | svd | teal (ablations: rana-contrib, rana-mixed, rana-wina)"),
         dataset: Optional[str] = typer.Option(None, help="calibration text: hub dataset name or local .txt/.jsonl/.parquet file or folder (default: bundled corpus)"),
         dataset_config: Optional[str] = typer.Option(None, help="hub dataset config name"),
         split: str = typer.Option("train", help="hub dataset split"),

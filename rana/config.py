@@ -6,7 +6,7 @@ from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 
 FORMAT_VERSION = 1
-METHODS = ("rana", "rana-paper", "cats", "svd", "teal", "rana-mixed", "rana-wina", "rana-abs")
+METHODS = ("rana", "rana-paper", "cats", "svd", "teal", "rana-contrib", "rana-mixed", "rana-wina")
 
 
 @dataclass

@@ -144,7 +144,7 @@ def estimate_memory(model_config, config, *, method: str | None = None, device: 
     # grid search (rana, rana-paper): each projection's adapted outputs on the fit sample and the
     # search tokens, cached per budget share tried, plus h and its masks for down
     search = 0.0
-    if method in ("rana", "rana-paper", "rana-mixed", "rana-wina", "rana-abs"):
+    if method in ("rana", "rana-paper", "rana-contrib", "rana-mixed", "rana-wina"):
         n_tok = config.fit_sample_tokens + config.search_tokens
         n_budgets = round(1 / config.grid_step) + 4
         search = 4 * n_tok * inter * ((2 if d.gated else 1) * n_budgets + 6) + 8 * n_tok * h

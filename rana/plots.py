@@ -18,7 +18,7 @@ METHOD_STYLE = {
     "teal": dict(color="tab:purple", marker="D"),
     "rana-mixed": dict(color="tab:pink", marker="o", ls="--"),
     "rana-wina": dict(color="tab:olive", marker="X", ls="--"),
-    "rana-abs": dict(color="tab:cyan", marker="P", ls="--"),
+    "rana-contrib": dict(color="tab:cyan", marker="P", ls="--"),
 }
 
 

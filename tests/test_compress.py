@@ -12,7 +12,7 @@ from rana.modules import NeuronThresholdLinear, RankAdapterLinear
 from helpers import tiny_calibration, tiny_compress_config, tiny_model
 
 
-CASES = ([("llama", m) for m in ("rana", "rana-paper", "svd", "teal", "cats", "rana-mixed", "rana-wina", "rana-abs")]
+CASES = ([("llama", m) for m in ("rana", "rana-paper", "svd", "teal", "cats", "rana-contrib", "rana-mixed", "rana-wina")]
          + [("mistral", "rana"), ("qwen2", "rana")])
 
 
@@ -131,16 +131,16 @@ def test_nan_activations_are_reported():
 
 @pytest.mark.parametrize("arch", ["llama", "phi3", "gpt_neox"])
 def test_sparse_family_ablations(arch):
-    """rana / rana-wina never build rank adapters; rana-wina keeps every projection at the
-    same fraction of its own cost (the equal split, also for a fused gate_up worth 2/3 of the MLP)."""
-    for method in ("rana", "rana-wina"):
+    """rana / rana-contrib / rana-wina never build rank adapters; rana-wina keeps every projection at
+    the same fraction of its own cost (the equal split, also for a fused gate_up worth 2/3 of the MLP)."""
+    for method in ("rana", "rana-contrib", "rana-wina"):
         result = compress_model(tiny_model(arch), None, tiny_compress_config(method=method, flops=0.7),
                                 tiny_calibration())
         assert result.plan["measured_flops"] == pytest.approx(0.7, abs=0.01)
         assert not any(isinstance(m, RankAdapterLinear) for m in result.model.modules())
         for layer in result.plan["layers"]:
             comps = layer["mlp"]["components"]
-            assert {c["kind"] for c in layer["attention"]["components"].values()} <= {"sparse", "dense"}
+            assert {c["kind"] for c in layer["attention"]["components"].values()} <= {"sparse", "input_sparse", "dense"}
             if method == "rana-wina":
                 dense = [c["dense_macs"] for c in comps.values()]
                 assert layer["mlp"]["shares"] == pytest.approx([d / sum(dense) for d in dense])
@@ -148,11 +148,11 @@ def test_sparse_family_ablations(arch):
                 assert max(fractions) - min(fractions) < 0.02
 
 
-def test_abs_ablation_scores_inputs_by_magnitude():
-    """rana-abs: TEAL's |x_j| score (InputSparseLinear) on every projection, split still searched."""
+def test_default_scores_inputs_by_magnitude():
+    """rana: the |x_j| score (InputSparseLinear) on every projection, the split still searched."""
     from rana.modules import InputSparseLinear
 
-    result = compress_model(tiny_model("llama"), None, tiny_compress_config(method="rana-abs", flops=0.7),
+    result = compress_model(tiny_model("llama"), None, tiny_compress_config(method="rana", flops=0.7),
                             tiny_calibration())
     assert result.plan["measured_flops"] == pytest.approx(0.7, abs=0.01)
     layer = result.model.model.layers[0]
