@@ -3,7 +3,7 @@ split the model's budget across layers and between attention and MLP (rana.math.
 
 Profiling runs the dense model layer by layer on part of the calibration fit tokens, and for
 each block (attention incl. o_proj, MLP) runs the method's own search at a few budget fractions
-(a coarser MLP grid) on shallow copies of the layer that share its weights, and measures what
+(the MLP at its equal split only) on shallow copies of the layer that share its weights, and measures what
 that block's compression alone does to the layer's output on held-aside tokens: the mean per-token
 relative perturbation of the residual stream. That is the loss proxy the greedy allocator
 spends the budget against. The sequential compression then runs as usual, each block
@@ -88,8 +88,10 @@ def profile_and_allocate(model: nn.Module, spec: ArchSpec, method: Method, fit: 
             errors = []
             for f in fractions:  # this block alone compressed, the rest of the layer dense
                 work = _shared_copy(layer)
+                # grid_step 1: the MLP at its equal split only — the split search is most of a block's
+                # cost and runs once, inside the block's final share; the curves only rank blocks
                 ctx = LayerContext(index=idx, layer=work, spec=spec, fraction=f, fit_sample_tokens=fit_sample_tokens,
-                                   search_tokens=search_tokens, grid_step=0.25)
+                                   search_tokens=search_tokens, grid_step=1.0)
                 for st in steps:
                     st.apply(ctx, stats)
                 errors.append(_per_token_perturbation(reference, _layer_outputs(work, held, device)))

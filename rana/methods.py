@@ -140,7 +140,7 @@ def _sparse_qkv(ctx: LayerContext, x_fit: torch.Tensor, x_eval: torch.Tensor, fr
                                                    weighted=weighted)))
     ref = torch.cat([x_eval.float() @ m.weight.float().T for _, m, _ in picks], -1)
     err_energy = sum(c.error * float((x_eval.float() @ m.weight.float().T).pow(2).sum()) for _, m, c in picks)
-    return err_energy / float(ref.pow(2).sum().clamp_min(1e-30)), {"picks": picks, "weighted": weighted}
+    return err_energy / float(ref.pow(2).sum().clamp_min(1e-30)), {"picks": picks}
 
 
 def _sparse_module(weight: torch.Tensor, bias, threshold: float, weighted: bool) -> nn.Module:
