@@ -1268,7 +1268,7 @@ def _write_output(tr: _Trainer, model, tokenizer, info, summary) -> Path:
     from .config import write_json
     from .io import atomic_dir, save
 
-    out, cfg = tr.out, tr.config
+    out = tr.out
     model = model.to(tr.source.save_dtype) if tr.source.kind == "rana" else model
     extra = {k: v for k, v in tr.source.meta.items() if k not in ("format_version", "dtype", "adapters", "laurel")}
     if info["laurel"] is not None:

@@ -15,7 +15,7 @@ from typing import Callable
 import torch
 import torch.nn as nn
 
-from .archs import ArchSpec, get_submodule, set_submodule
+from .archs import ArchSpec, set_submodule
 from .calibrate import InputStats
 from .math.decompose import decompose
 from .math.masks import subsample_rows, threshold_for_keep_fraction
