@@ -141,10 +141,10 @@ def estimate_memory(model_config, config, *, method: str | None = None, device: 
         workspace, moments = 4 * max(o * i for o, i in mats), 0.0
     acts = 4 * b * s * (4 * h + qkv + 3 * inter) + 4 * b * d.n_heads * s * s
     resident = text.vocab_size * h * e * (1 if getattr(text, "tie_word_embeddings", False) else 2)
-    # grid search (rana, rana-paper): each projection's adapted outputs on the fit sample and the
-    # search tokens, cached per budget share tried, plus h and its masks for down
+    # grid search (rana and its ablations, rana-paper): each projection's adapted outputs on the fit
+    # sample and the search tokens, cached per budget share tried, plus h and its masks for down
     search = 0.0
-    if method in ("rana", "rana-paper", "rana-contrib", "rana-mixed", "rana-wina"):
+    if method.startswith("rana"):
         n_tok = config.fit_sample_tokens + config.search_tokens
         n_budgets = round(1 / config.grid_step) + 4
         search = 4 * n_tok * inter * ((2 if d.gated else 1) * n_budgets + 6) + 8 * n_tok * h
