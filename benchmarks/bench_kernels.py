@@ -3,6 +3,7 @@
     python benchmarks/bench_kernels.py                 # CPU section, plus GPU section if CUDA
     python benchmarks/bench_kernels.py --skip-cpu      # GPU only (e.g. on an H100)
     python benchmarks/bench_kernels.py --quick         # fewer shapes / fractions
+    python benchmarks/bench_kernels.py --skip-gpu --threads 2 --cpu-dtypes fp32   # kernels_cpu_2threads.md
 
 Writes benchmarks/results/kernels_cpu.{md,json} and, with CUDA, kernels_gpu.{md,json}.
 Every number in a table is time(masked path) / time(dense `v @ w_t`) measured in the same run
@@ -10,7 +11,9 @@ on the same tensors (< 1 means faster than dense). The mask keeps exactly round(
 chosen by magnitude from a random normal v (scattered, as in decoding); the threshold is a
 0-dim tensor on the device, as the RaNA modules hold it.
 
-CPU timing: torch.utils.benchmark.Timer.blocked_autorange, median.
+CPU timing: each path runs over copies of the weight filling --pool-mb (600 MB: streamed from
+memory, as in decoding), median of passes; --pool-mb 0 times one cache-resident weight with
+torch.utils.benchmark.Timer.blocked_autorange.
 GPU timing: triton.testing.do_bench (median, L2 flushed before each call: weights are not L2
 resident across layers in decoding) and, separately, do_bench_cudagraph (launch overhead
 removed, as under CUDA graphs / torch.compile "reduce-overhead").
@@ -34,16 +37,17 @@ import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 try:
+    from rana.kernels import cpu_gemv as cg
     from rana.kernels import masked_gemv as mg
-except ImportError:  # running from a checkout without `pip install -e .`
-    import importlib.util
+except ImportError:  # running from a checkout without `pip install -e .`: import kernels/ as a package
+    import importlib
 
-    _spec = importlib.util.spec_from_file_location("masked_gemv", ROOT / "kernels" / "masked_gemv.py")
-    mg = importlib.util.module_from_spec(_spec)
-    _spec.loader.exec_module(mg)
+    sys.path.insert(0, str(ROOT))
+    cg = importlib.import_module("kernels.cpu_gemv")
+    mg = importlib.import_module("kernels.masked_gemv")
 
-SHAPES = [(576, 1536), (1536, 576), (4096, 4096), (4096, 11008), (11008, 4096)]
-FRACS = [0.1, 0.25, 0.5, 0.75, 1.0]
+SHAPES = [(576, 192), (576, 576), (576, 1536), (1536, 576), (4096, 4096), (4096, 11008), (11008, 4096)]
+FRACS = [0.1, 0.25, 0.5, 0.75, 0.9, 1.0]
 DTYPE_NAMES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 
 
@@ -91,38 +95,86 @@ def gpu_time_us(fn, graph=False):
 
 
 # ----------------------------------------------------------------------------------- sections
-def run_cpu(shapes, fracs, dtypes, mode, min_run_time, rounds, threads):
+def _weight_pool(K, N, dtype, pool_mb):
+    """Copies of one weight filling `pool_mb` MB (at least 2): timing a path over all of them
+    streams the weights from memory, as decoding does (a model's layers do not stay in cache).
+    pool_mb=0 gives one weight, cache resident after the first call (the "hot" regime)."""
+    w_t = make_weight(K, N, dtype, "cpu")
+    count = 1 if pool_mb <= 0 else max(2, int(pool_mb * 2**20 // w_t.nbytes))
+    return [w_t] + [w_t.clone() for _ in range(count - 1)]
+
+
+def _pool_time_us(fn, pool, reps=3):
+    import time
+
+    fn(pool[0])
+    best = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        for w in pool:
+            fn(w)
+        best.append((time.perf_counter() - t0) / len(pool))
+    return sorted(best)[len(best) // 2] * 1e6
+
+
+def _without_native(fn):
+    """`fn` with the native kernel switched off: the torch-only path of a machine without a compiler."""
+    def run(*a, **k):
+        saved = cg._load
+        cg._load = lambda: (None, "off")
+        try:
+            return fn(*a, **k)
+        finally:
+            cg._load = saved
+    return run
+
+
+CPU_PATHS = ("masked_gemv", "torch_gather", "dense_masked")
+
+
+def run_cpu(shapes, fracs, dtypes, mode, min_run_time, rounds, threads, pool_mb):
     """Dense and the masked paths are timed back to back `rounds` times; the reported ratio is
-    the median of the per-round ratios (robust to load drifting on a shared machine)."""
+    the median of the per-round ratios (robust to load drifting on a shared machine).
+
+    masked_gemv: the dispatcher the RaNA modules call (native kernel for fp32, embedding_bag
+    for fp16/bf16); torch_gather: the same without the native kernel (embedding_bag below
+    CPU_GATHER_MAX_FRACTION, dense masked above); dense_masked: mask then dense GEMV."""
     torch.set_grad_enabled(False)
+    torch.set_num_threads(threads)
+    torch_only = _without_native(mg.masked_gemv_torch)
     records = []
     for dname in dtypes:
         dtype = DTYPE_NAMES[dname]
         for K, N in shapes:
-            w_t = make_weight(K, N, dtype, "cpu")
-            print(f"[cpu] {dname} K={K} N={N}", flush=True)
+            pool = _weight_pool(K, N, dtype, pool_mb)
+            print(f"[cpu] {dname} K={K} N={N} ({len(pool)} weight copies)", flush=True)
             for f in fracs:
                 v, t, scale = make_input(K, dtype, "cpu", f, mode)
                 fns = {
-                    "dense": lambda: v @ w_t,
-                    "torch": lambda: mg.masked_gemv_torch(w_t, v, t, mode=mode, scale=scale),
-                    "dense_masked": lambda: mg.masked_gemv_dense(w_t, v, t, mode=mode, scale=scale),
+                    "dense": lambda w: v @ w,
+                    "masked_gemv": lambda w: mg.masked_gemv(w, v, t, mode=mode, scale=scale),
+                    "torch_gather": lambda w: torch_only(w, v, t, mode=mode, scale=scale),
+                    "dense_masked": lambda w: mg.masked_gemv_dense(w, v, t, mode=mode, scale=scale),
                 }
                 times = {name: [] for name in fns}
                 for _ in range(rounds):
                     for name, fn in fns.items():
-                        times[name].append(cpu_time_us(fn, min_run_time, threads))
+                        if len(pool) == 1:
+                            times[name].append(cpu_time_us(lambda fn=fn: fn(pool[0]), min_run_time, threads))
+                        else:
+                            times[name].append(_pool_time_us(fn, pool))
                 dense = torch.tensor(times["dense"])
                 line = [f"    f={f:<5} dense {dense.median().item():9.1f} us"]
-                for name in ("torch", "dense_masked"):
+                for name in CPU_PATHS:
                     ratios = torch.tensor(times[name]) / dense
                     records.append(dict(section="cpu", path=name, dtype=dname, K=K, N=N, frac=f,
                                         us=float(torch.tensor(times[name]).median()),
                                         dense_us=float(dense.median()), ratio=float(ratios.median()),
                                         ratio_min=float(ratios.min()), ratio_max=float(ratios.max()),
-                                        rounds=rounds))
+                                        rounds=rounds, weight_copies=len(pool)))
                     line.append(f"{name} x{records[-1]['ratio']:.2f} [{ratios.min():.2f}-{ratios.max():.2f}]")
                 print("  ".join(line), flush=True)
+            del pool
     return records
 
 
@@ -193,28 +245,36 @@ def _env(device_name):
             f"\n- date: {_dt.datetime.now().isoformat(timespec='seconds')}\n")
 
 
-def write_cpu(records, fracs, mode, out_dir, threads):
+def write_cpu(records, fracs, mode, out_dir, threads, pool_mb):
     name = platform.processor() or platform.machine()
+    regime = (f"weights streamed from memory: each path is timed over copies of the weight filling {pool_mb} MB"
+              " (median of 3 passes), as in decoding, where a model's layers do not stay in cache"
+              if pool_mb > 0 else "one weight, cache resident (torch.utils.benchmark blocked_autorange medians)")
     md = [
         "# Masked GEMV on CPU: time relative to dense `v @ w_t` (batch 1)\n",
         _env(f"CPU {name} ({os.cpu_count()} logical cores), timed with {threads} thread(s)"),
+        f"- CPU kernel: {cg.native_status()}",
         f"- mode `{mode}`, threshold a 0-dim tensor; f = fraction of the K inputs active (scattered).",
-        "- ratio = time of the path / time of dense `v @ w_t` on the same w_t and v, timed back to back;"
-        " median over interleaved rounds (per-round ratios and ranges in the .json); < 1 is faster."
-        " Timing: torch.utils.benchmark blocked_autorange medians. The dense µs column is the dense"
-        " median at the first f.",
-        f"- machine load average when written: {os.getloadavg()[0]:.1f} (a shared VM: absolute µs are noisy,"
-        " ratios less so)\n",
-        "## `masked_gemv_torch` (the batch-1 CPU path: embedding_bag over the active rows, dense above"
-        " `CPU_GATHER_MAX_FRACTION`)\n",
-        _table([r for r in records if r["path"] == "torch"], fracs),
+        f"- {regime}.",
+        "- ratio = time of the path / time of dense `v @ w_t` on the same weights and v, timed back to back;"
+        " median over interleaved rounds (per-round ratios and ranges in the .json); < 1 is faster;"
+        " the memory-bound limit is f. The dense µs column is the dense median at the first f.",
+        f"- machine load average when written: {os.getloadavg()[0]:.1f}\n",
+        "## `masked_gemv` (what the RaNA modules call for one token on CPU: the native kernel for fp32,"
+        " dense BLAS on the masked input above `NATIVE_MAX_FRACTION`; embedding_bag for fp16/bf16)\n",
+        _table([r for r in records if r["path"] == "masked_gemv"], fracs),
+        "\n## torch only (the same without the native kernel, e.g. no C compiler: embedding_bag over the active"
+        " rows, dense masked above `CPU_GATHER_MAX_FRACTION`)\n",
+        _table([r for r in records if r["path"] == "torch_gather"], fracs),
         "\n## `masked_gemv_dense` (mask then dense product: the batch>1 path, shown at batch 1)\n",
         _table([r for r in records if r["path"] == "dense_masked"], fracs),
         "",
     ]
-    (out_dir / "kernels_cpu.md").write_text("\n".join(md))
-    (out_dir / "kernels_cpu.json").write_text(json.dumps(dict(mode=mode, records=records), indent=1))
-    print(f"wrote {out_dir / 'kernels_cpu.md'}")
+    stem = "kernels_cpu" if threads == 1 else f"kernels_cpu_{threads}threads"
+    (out_dir / f"{stem}.md").write_text("\n".join(md))
+    (out_dir / f"{stem}.json").write_text(json.dumps(dict(mode=mode, threads=threads, pool_mb=pool_mb,
+                                                          kernel=cg.native_status(), records=records), indent=1))
+    print(f"wrote {out_dir / (stem + '.md')}")
 
 
 def write_gpu(records, fracs, mode, out_dir, device_name, stem="kernels_gpu"):
@@ -250,7 +310,9 @@ def main(argv=None):
     p.add_argument("--gpu-dtypes", default="fp16,bf16")
     p.add_argument("--min-run-time", type=float, default=0.1, help="CPU seconds per measurement")
     p.add_argument("--rounds", type=int, default=5, help="CPU: interleaved dense/path rounds")
-    p.add_argument("--threads", type=int, default=1, help="CPU threads while timing (torch.utils.benchmark)")
+    p.add_argument("--threads", type=int, default=1, help="CPU threads while timing")
+    p.add_argument("--pool-mb", type=int, default=600,
+                   help="CPU: time over weight copies filling this many MB (0: one cache-resident weight)")
     p.add_argument("--no-graphs", action="store_true", help="skip the CUDA-graph timings")
     p.add_argument("--out-dir", type=Path, default=ROOT / "benchmarks" / "results")
     p.add_argument("--interpret-smoke", action="store_true", help=argparse.SUPPRESS)
@@ -265,8 +327,9 @@ def main(argv=None):
         return
 
     if not a.skip_cpu:
-        recs = run_cpu(shapes, fracs, a.cpu_dtypes.split(","), a.mode, a.min_run_time, a.rounds, a.threads)
-        write_cpu(recs, fracs, a.mode, a.out_dir, a.threads)
+        recs = run_cpu(shapes, fracs, a.cpu_dtypes.split(","), a.mode, a.min_run_time, a.rounds, a.threads,
+                       a.pool_mb)
+        write_cpu(recs, fracs, a.mode, a.out_dir, a.threads, a.pool_mb)
     if not a.skip_gpu:
         if torch.cuda.is_available() and mg.triton_available():
             if os.environ.get("TRITON_INTERPRET") == "1":

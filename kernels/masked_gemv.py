@@ -18,12 +18,14 @@ Entry points
     masked_gemv            dispatcher: Triton for one token on CUDA, the torch fast path for one
                            token elsewhere, a dense masked matmul for several tokens.
     masked_gemv_triton     Triton kernel (CUDA, or CPU tensors under TRITON_INTERPRET=1).
-    masked_gemv_torch      fast torch path (CPU: gathered rows through embedding_bag).
+    masked_gemv_torch      the CPU path: the native kernel of cpu_gemv.py for fp32, else gathered
+                           rows through embedding_bag.
     masked_gemv_dense      ``(v * mask) @ w_t`` over any leading dims, sync-free on every device.
     masked_gemv_reference  plain fp32 reference.
 
-This file is self-contained (torch + stdlib; triton imported lazily and optionally) so it can be
-copied next to an exported model and imported on machines without triton.
+This file and its sibling cpu_gemv.py are self-contained (torch + stdlib; triton imported lazily
+and optionally) so they can be copied next to an exported model and imported on machines
+without triton.
 """
 from __future__ import annotations
 
@@ -32,7 +34,8 @@ import math
 import os
 
 import torch
-import torch.nn.functional as F
+
+from .cpu_gemv import masked_gemv_native
 
 __all__ = [
     "masked_gemv",
@@ -145,11 +148,13 @@ def _matmul(x: torch.Tensor, w_t: torch.Tensor, bias) -> torch.Tensor:
 
 
 def masked_gemv_torch(w_t, v, threshold, *, mode: str, scale=None, bias=None) -> torch.Tensor:
-    """Fast torch path for one token on CPU.
+    """Fast path for one token on CPU.
 
-    The active rows are summed with ``F.embedding_bag(idx, w_t, per_sample_weights=v[idx])``,
-    which reads only the active rows of ``w_t`` (no gathered copy) and accumulates in fp32.
-    Above ``CPU_GATHER_MAX_FRACTION`` active rows it uses the dense masked product instead.
+    fp32: the native kernel (:mod:`cpu_gemv`: score, compare and active-row accumulation in one
+    call, the dense BLAS GEMV on the masked input when nearly everything is active). Without it,
+    or for fp16/bf16: the active rows are summed with ``embedding_bag`` (per-sample weights
+    ``v[idx]``; reads only the active rows of ``w_t``, no gathered copy, fp32 accumulation) while
+    at most ``CPU_GATHER_MAX_FRACTION`` of the rows are active, else the dense masked product.
     On other devices (where ``nonzero`` would sync) and for several tokens it is
     :func:`masked_gemv_dense`.
     """
@@ -157,19 +162,34 @@ def masked_gemv_torch(w_t, v, threshold, *, mode: str, scale=None, bias=None) ->
     K, N = w_t.shape
     if v.device.type != "cpu" or w_t.device.type != "cpu" or v.numel() != K:
         return masked_gemv_dense(w_t, v, threshold, mode=mode, scale=scale, bias=bias)
+    t = -math.inf if _all_active(threshold) else float(threshold)
+    y = masked_gemv_native(w_t, v, t, mode, scale=scale, bias=bias)
+    return y if y is not None else _gather_torch(w_t, v, threshold, mode, scale, bias)
+
+
+def _gather_torch(w_t, v, threshold, mode: str, scale, bias) -> torch.Tensor:
+    """The CPU one-token path in torch ops (embedding_bag gather or dense masked)."""
+    K, N = w_t.shape
     # every torch op costs microseconds here, comparable to a small GEMV: keep the op count low
     v1 = v.reshape(K)
     mask = _active_mask(v1, threshold, mode, scale)
-    idx = torch.arange(K) if mask is None else mask.nonzero().view(-1)
+    idx = _ALL_ROWS(K) if mask is None else mask.nonzero().view(-1)
     if idx.numel() > CPU_GATHER_MAX_FRACTION.get(w_t.dtype, 0.5) * K:
         x = v1 if mask is None else torch.where(mask, v1, 0.0)
         y = _matmul(x, w_t, bias)
     else:
         # one bag holding the active rows, weighted by v: sum_k v_k w_t[k, :] without a copy
-        y = F.embedding_bag(idx, w_t, _BAG_OFFSETS, mode="sum", per_sample_weights=v1[idx].to(w_t.dtype))
+        # (the aten op directly: F.embedding_bag's argument handling costs more than the sum)
+        weights = v1.index_select(0, idx).to(w_t.dtype)
+        y = torch.embedding_bag(w_t, idx, _BAG_OFFSETS, False, 0, False, weights, False, None)[0]
         if bias is not None:
             y = y.float() + bias.float()
     return y.to(v.dtype).reshape(_out_shape(v, N))
+
+
+@functools.lru_cache(maxsize=8)
+def _ALL_ROWS(K: int) -> torch.Tensor:
+    return torch.arange(K)
 
 
 # --------------------------------------------------------------------------------------------
@@ -304,6 +324,7 @@ def masked_gemv_triton(w_t, v, threshold, *, mode: str, scale=None, bias=None) -
 def masked_gemv(w_t, v, threshold, *, mode: str, scale=None, bias=None) -> torch.Tensor:
     """Masked ``v @ w_t`` choosing the fastest path for where the tensors are.
 
+    * one token on CPU, fp32                     -> the native kernel of cpu_gemv.py (one call)
     * one token on CUDA with triton importable  -> :func:`masked_gemv_triton`
     * one token otherwise                        -> :func:`masked_gemv_torch` (CPU gather path;
       on a GPU without triton it reduces to the dense masked product, no sync)
@@ -311,6 +332,13 @@ def masked_gemv(w_t, v, threshold, *, mode: str, scale=None, bias=None) -> torch
     """
     if w_t.dim() != 2 or v.numel() != w_t.shape[0]:
         return masked_gemv_dense(w_t, v, threshold, mode=mode, scale=scale, bias=bias)
+    if v.device.type == "cpu":  # checked first and kept lean: this runs per projection per token
+        t = -math.inf if threshold is None else float(threshold)
+        y = masked_gemv_native(w_t, v, t, mode, scale=scale, bias=bias)
+        if y is not None:
+            return y
+        _check(w_t, v, mode, threshold, scale)
+        return _gather_torch(w_t, v, threshold, mode, scale, bias)
     if v.is_cuda and w_t.is_cuda and triton_available():
         return masked_gemv_triton(w_t, v, threshold, mode=mode, scale=scale, bias=bias)
     return masked_gemv_torch(w_t, v, threshold, mode=mode, scale=scale, bias=bias)

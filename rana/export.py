@@ -45,6 +45,7 @@ MODELING_FILE = "modeling_rana.py"
 # absolute module name in the rana package → basename of its copy in the export
 SHIPPED_MODULES: dict[str, str] = {
     "rana.kernels.masked_gemv": "masked_gemv",
+    "rana.kernels.cpu_gemv": "cpu_gemv",
     "rana.modules.common": "common",
     "rana.modules.rank_linear": "rank_linear",
     "rana.modules.neuron_linear": "neuron_linear",

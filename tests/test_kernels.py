@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from rana.kernels import cpu_gemv as cg
 from rana.kernels import masked_gemv as mg
 
 KERNEL_FILE = Path(mg.__file__).resolve()
@@ -179,7 +180,10 @@ def test_triton_rejects_several_tokens(triton_device):
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("frac", [0.0, 0.1, 0.4, 0.9, 1.0])
-def test_reference_and_torch_paths(dtype, mode, frac):
+@pytest.mark.parametrize("native", [True, False], ids=["native", "torch-only"])
+def test_reference_and_torch_paths(dtype, mode, frac, native, monkeypatch):
+    if not native:
+        monkeypatch.setattr(cg, "_load", lambda: (None, "torch fallback (disabled in this test)"))
     K, N = 200, 130
     w_t, v, t, scale, b = _problem(K, N, dtype, mode, frac, seed=11)
     exp = _expected(w_t, v, t, mode, scale, b)
@@ -188,8 +192,14 @@ def test_reference_and_torch_paths(dtype, mode, frac):
             _assert_close(fn(w_t, v, thr, mode=mode, scale=scale, bias=b), exp, dtype)
 
 
+@pytest.fixture
+def no_native(monkeypatch):
+    """The CPU torch path as on a machine without a C compiler (the native kernel declines)."""
+    monkeypatch.setattr(cg, "_load", lambda: (None, "torch fallback (disabled in this test)"))
+
+
 @pytest.mark.parametrize("max_fraction", [0.0, 0.5, 1.0])
-def test_torch_path_both_branches(monkeypatch, max_fraction):
+def test_torch_path_both_branches(no_native, monkeypatch, max_fraction):
     """Force the gather branch (embedding_bag) and the dense branch of the CPU fast path."""
     for dtype in DTYPES:
         monkeypatch.setitem(mg.CPU_GATHER_MAX_FRACTION, dtype, max_fraction)
@@ -200,7 +210,7 @@ def test_torch_path_both_branches(monkeypatch, max_fraction):
             _assert_close(y, _expected(w_t, v, t, "abs_scaled", scale, b), dtype)
 
 
-def test_torch_gather_never_reads_inactive_rows():
+def test_torch_gather_never_reads_inactive_rows(no_native):
     K, N = 300, 64
     w_t, v, t, _, _ = _problem(K, N, torch.float32, "square", 0.2, bias=False, seed=17)
     poisoned = w_t.clone()
@@ -250,6 +260,7 @@ def test_argument_errors():
 # dispatcher
 # --------------------------------------------------------------------------------------------
 def test_dispatcher_routes_cpu(monkeypatch):
+    """One CPU token: the native kernel first (torch gather when it declines); several: dense."""
     calls = []
 
     def spy(name, fn):
@@ -262,13 +273,18 @@ def test_dispatcher_routes_cpu(monkeypatch):
         raise AssertionError("triton path used for CPU tensors")
 
     monkeypatch.setattr(mg, "masked_gemv_triton", no_triton)
-    monkeypatch.setattr(mg, "masked_gemv_torch", spy("torch", mg.masked_gemv_torch))
+    monkeypatch.setattr(mg, "masked_gemv_native", spy("native", mg.masked_gemv_native))
+    monkeypatch.setattr(mg, "_gather_torch", spy("gather", mg._gather_torch))
     monkeypatch.setattr(mg, "masked_gemv_dense", spy("dense", mg.masked_gemv_dense))
     w_t = torch.randn(32, 16)
+    native = cg.native_kernel() is not None
     for shape in [(32,), (1, 32), (1, 1, 32)]:
         calls.clear()
         mg.masked_gemv(w_t, torch.randn(shape), 0.5, mode="abs")
-        assert calls[0] == "torch"
+        assert calls == (["native"] if native else ["native", "gather"])
+        calls.clear()
+        mg.masked_gemv(w_t.bfloat16(), torch.randn(shape).bfloat16(), 0.5, mode="abs")
+        assert calls == ["native", "gather"]  # the native kernel is fp32 only
     calls.clear()
     mg.masked_gemv(w_t, torch.randn(2, 3, 32), 0.5, mode="abs")
     assert calls == ["dense"]
@@ -278,14 +294,19 @@ def test_dispatcher_routes_cpu(monkeypatch):
 # the file works alone, without triton
 # --------------------------------------------------------------------------------------------
 def test_imports_and_runs_without_triton(tmp_path):
+    """The kernel files copied flat into a package (as in an export) import and run alone."""
+    flat = tmp_path / "flatpkg"
+    flat.mkdir()
+    (flat / "__init__.py").write_text("")
+    for name in ("masked_gemv.py", "cpu_gemv.py"):
+        (flat / name).write_text((KERNEL_FILE.parent / name).read_text())
     code = f"""
-import importlib.util, sys
+import importlib, sys
 sys.modules["triton"] = None              # `import triton` now raises ImportError
 sys.modules["triton.language"] = None
+sys.path.insert(0, {str(tmp_path)!r})
 import torch
-spec = importlib.util.spec_from_file_location("masked_gemv_flat", {str(KERNEL_FILE)!r})
-m = importlib.util.module_from_spec(spec)
-spec.loader.exec_module(m)
+m = importlib.import_module("flatpkg.masked_gemv")
 assert not m.triton_available()
 assert not any(k == "rana" or k.startswith("rana.") for k in sys.modules), "imports rana"
 torch.manual_seed(0)

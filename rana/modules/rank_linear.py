@@ -12,8 +12,11 @@ import weakref
 import torch
 import torch.nn as nn
 
+from ..kernels.cpu_gemv import MODE_IDS, masked_linear_native
 from ..kernels.masked_gemv import masked_gemv
 from .common import MacMeter, column_major_linear, plain_linear
+
+_SQUARE = MODE_IDS["square"]
 
 
 def _single_token(x: torch.Tensor) -> bool:
@@ -41,6 +44,12 @@ class RankAdapterLinear(nn.Module, MacMeter):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         z = self.B(x)
+        A = self._modules["A"]
+        if z.is_cpu and not self.training and not self.meter_on and type(A) is nn.Linear:
+            y = masked_linear_native(A._parameters["weight"], z, float(self._buffers["threshold"]), _SQUARE,
+                                     None, A._parameters["bias"])
+            if y is not None:  # batch-1 CPU decode: one native call
+                return y
         if _single_token(x) and not self.training and plain_linear(self.A):
             y = masked_gemv(self.A.weight.t(), z, self.threshold, mode="square", bias=self.A.bias)
             if self.meter_on:
@@ -112,6 +121,12 @@ class RankSliceLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         code = self._code()
         z, mask = code.code(x)
+        A = self._modules["A"]
+        if z.is_cpu and not self.training and type(A) is nn.Linear:
+            y = masked_linear_native(A._parameters["weight"], z, float(code.threshold), _SQUARE, None,
+                                     A._parameters["bias"])
+            if y is not None:  # batch-1 CPU decode: one native call
+                return y
         if _single_token(x) and not self.training and plain_linear(self.A):
             return masked_gemv(self.A.weight.t(), z, code.threshold, mode="square", bias=self.A.bias)
         return self.A(z * mask)

@@ -1,0 +1,268 @@
+"""Native CPU masked GEMV for batch-1 decoding: one C call per projection.
+
+Why native: a masked product written as torch ops costs several ops per projection (score,
+compare, nonzero, gather, product), microseconds each, and ``embedding_bag`` streams scattered
+rows from memory at about 60 % of the dense GEMV's bandwidth (benchmarks/results/kernels_cpu.md).
+At batch 1 a decoder is memory bound, so the masked product only pays off if it reads the
+active rows as fast as BLAS reads the whole matrix. This kernel scores the inputs, compares them
+with the threshold and accumulates the active rows of ``w_t`` four at a time, prefetching
+the rows ahead (short scattered rows are latency bound), in one call.
+
+The C source below is compiled once per machine with the system C compiler (``$CC``, else
+``cc``; ``-O3 -march=native``, a fraction of a second) into a cache directory
+(``$RANA_KERNEL_CACHE``, else ``$XDG_CACHE_HOME/rana/kernels``, else ``~/.cache/rana/kernels``,
+else a temporary directory) and loaded with ctypes. No compiler, a failed build or
+``RANA_NATIVE_CPU=0``: :func:`native_kernel` returns None and callers use their torch path.
+
+Semantics are those of ``masked_gemv`` (see masked_gemv.py): fp32 scores ``v*v``,
+``|v|*scale`` or ``|v|`` compared ``>= t`` exactly as torch does, fp32 accumulation. When more
+than ``limit`` inputs are active the kernel does not multiply: it writes the masked input to
+``xm`` and the caller runs the dense GEMV on it (BLAS wins when nearly everything is active).
+
+This file is self-contained (torch + stdlib) so it can be copied next to an exported model.
+"""
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+import threading
+from pathlib import Path
+
+import torch
+
+__all__ = ["native_kernel", "native_status", "masked_gemv_native", "masked_linear_native", "native_limit", "MODE_IDS"]
+
+MODE_IDS = {"none": 0, "square": 1, "abs_scaled": 2, "abs": 3}
+
+# Dense BLAS beats the native kernel once more than this fraction of the inputs is active
+# (fp32, weights streamed from memory; benchmarks/results/kernels_cpu*.md). The kernel splits
+# the columns over torch's thread count as the BLAS GEMV does, but its fixed costs weigh more
+# against the faster multi-threaded GEMV, so the crossover comes earlier there.
+NATIVE_MAX_FRACTION = 0.9
+NATIVE_MAX_FRACTION_THREADED = 0.75
+
+_SOURCE = r"""
+#include <stdint.h>
+#include <string.h>
+#ifdef _OPENMP
+#include <omp.h>
+#endif
+
+/* y = sum over active k of x[k] * w[k, :]  (+ bias),  w: K rows of N floats, row stride ldw.
+   active: mode 0 all; 1 x*x >= t; 2 |x|*scale >= t; 3 |x| >= t  (fp32, as torch computes them).
+   Returns the active count n. If n > limit nothing is multiplied: xm gets the masked x instead.
+   Otherwise xm is scratch for the active indices (K int32 fit in K floats). The columns are
+   split over `threads` OpenMP threads (torch's own libgomp when torch is loaded first). */
+#define PREFETCH_ROWS 8   /* start loading rows this far ahead ...                           */
+#define PREFETCH_LINES 4  /* ... their first cache lines: enough to wake the HW prefetcher    */
+
+static inline int rana_active(float v, float t, int mode, const float* scale, int64_t k) {
+    if (mode == 0) return 1;
+    float a = v < 0.0f ? -v : v;
+    if (mode == 1) return v * v >= t;
+    if (mode == 2) return a * scale[k] >= t;
+    return a >= t;
+}
+
+static inline void rana_prefetch(const float* r, int64_t width) {
+    int64_t lines = (width + 15) / 16;
+    if (lines > PREFETCH_LINES) lines = PREFETCH_LINES;
+    for (int64_t l = 0; l < lines; ++l) __builtin_prefetch(r + l * 16, 0, 3);
+}
+
+/* y[j0:j1] += sum_i x[idx[i]] * w[idx[i], j0:j1]. Scattered short rows are latency bound:
+   prefetch PREFETCH_ROWS ahead. Four rows per sweep over y: a quarter of the y traffic. */
+static void rana_accumulate(const float* __restrict w, const float* __restrict x, const int32_t* __restrict idx,
+                            int64_t n, int64_t ldw, int64_t j0, int64_t j1, float* __restrict y) {
+    const int64_t width = j1 - j0;
+    const float* wj = w + j0;
+    float* yj = y + j0;
+    for (int64_t p = 0; p < PREFETCH_ROWS && p < n; ++p) rana_prefetch(wj + idx[p] * ldw, width);
+    int64_t i = 0;
+    for (; i + 4 <= n; i += 4) {
+        for (int64_t p = i + PREFETCH_ROWS; p < i + PREFETCH_ROWS + 4 && p < n; ++p)
+            rana_prefetch(wj + idx[p] * ldw, width);
+        const float *r0 = wj + idx[i] * ldw, *r1 = wj + idx[i + 1] * ldw;
+        const float *r2 = wj + idx[i + 2] * ldw, *r3 = wj + idx[i + 3] * ldw;
+        const float a0 = x[idx[i]], a1 = x[idx[i + 1]], a2 = x[idx[i + 2]], a3 = x[idx[i + 3]];
+        for (int64_t j = 0; j < width; ++j) yj[j] += a0 * r0[j] + a1 * r1[j] + a2 * r2[j] + a3 * r3[j];
+    }
+    for (; i < n; ++i) {
+        const float* r = wj + idx[i] * ldw;
+        const float a = x[idx[i]];
+        for (int64_t j = 0; j < width; ++j) yj[j] += a * r[j];
+    }
+}
+
+int64_t rana_masked_gemv_f32(const float* __restrict w, const float* __restrict x, int64_t K, int64_t N,
+                             int64_t ldw, float t, int mode, const float* __restrict scale,
+                             const float* __restrict bias, float* __restrict y, int64_t limit,
+                             float* __restrict xm, int threads) {
+    int32_t* idx = (int32_t*)xm;
+    int64_t n = 0;
+    for (int64_t k = 0; k < K; ++k)
+        if (rana_active(x[k], t, mode, scale, k)) idx[n++] = (int32_t)k;
+    if (n > limit) {
+        for (int64_t k = 0; k < K; ++k) xm[k] = rana_active(x[k], t, mode, scale, k) ? x[k] : 0.0f;
+        return n;
+    }
+    if (bias) memcpy(y, bias, (size_t)N * sizeof(float)); else memset(y, 0, (size_t)N * sizeof(float));
+#ifdef _OPENMP
+    if (threads > 1 && N >= 64 * threads) {
+        #pragma omp parallel num_threads(threads)
+        {
+            const int64_t nt = omp_get_num_threads(), tid = omp_get_thread_num();
+            const int64_t chunk = ((N + nt - 1) / nt + 15) / 16 * 16;  /* whole cache lines */
+            const int64_t j0 = tid * chunk, j1 = j0 + chunk < N ? j0 + chunk : N;
+            if (j0 < j1) rana_accumulate(w, x, idx, n, ldw, j0, j1, y);
+        }
+        return n;
+    }
+#endif
+    rana_accumulate(w, x, idx, n, ldw, 0, N, y);
+    return n;
+}
+"""
+_FLAGS = ("-O3", "-march=native", "-shared", "-fPIC")
+_OPENMP_FLAG = "-fopenmp"  # dropped when the compiler cannot link OpenMP (single-threaded kernel)
+
+
+def _cache_dir() -> Path:
+    env = os.environ.get("RANA_KERNEL_CACHE")
+    if env:
+        return Path(env)
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(base) / "rana" / "kernels"
+
+
+def _compile(compiler: str, flags: tuple[str, ...]) -> Path:
+    """Build the shared library into the cache (atomically: temp file + rename); return its path."""
+    key = hashlib.sha256("\0".join([_SOURCE, compiler, *flags, platform.machine(), platform.node()]).encode())
+    name = f"rana_cpu_gemv_{key.hexdigest()[:16]}.so"
+    for folder in (_cache_dir(), Path(tempfile.gettempdir()) / "rana_kernels"):
+        target = folder / name
+        if target.is_file():
+            return target
+        try:
+            folder.mkdir(parents=True, exist_ok=True)
+            with tempfile.TemporaryDirectory(dir=folder) as tmp:
+                src = Path(tmp) / "rana_cpu_gemv.c"
+                src.write_text(_SOURCE)
+                out = Path(tmp) / name
+                subprocess.run([compiler, *flags, "-o", str(out), str(src)], check=True,
+                               stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, timeout=120)
+                os.replace(out, target)
+            return target
+        except OSError:
+            continue  # unwritable cache: try the temporary directory
+    raise OSError("no writable directory for the compiled kernel")
+
+
+@functools.lru_cache(maxsize=None)
+def _load() -> tuple[object | None, str]:
+    """(the ctypes function or None, a one-line status)."""
+    if os.environ.get("RANA_NATIVE_CPU", "1") == "0":
+        return None, "torch fallback (native kernel disabled: RANA_NATIVE_CPU=0)"
+    compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc") or shutil.which("clang")
+    if not compiler:
+        return None, "torch fallback (no C compiler found; set CC)"
+    error = ""
+    for flags in ((*_FLAGS, _OPENMP_FLAG), _FLAGS):
+        try:
+            lib = ctypes.CDLL(str(_compile(compiler, flags)))
+        except (OSError, subprocess.SubprocessError) as exc:
+            detail = (getattr(exc, "stderr", b"") or b"").decode(errors="replace").strip().splitlines()
+            error = f"{type(exc).__name__}: {detail[0] if detail else exc}"
+            continue
+        fn = lib.rana_masked_gemv_f32
+        p, i64 = ctypes.c_void_p, ctypes.c_int64
+        fn.argtypes = [p, p, i64, i64, i64, ctypes.c_float, ctypes.c_int, p, p, p, i64, p, ctypes.c_int]
+        fn.restype = i64
+        threading_note = "OpenMP" if _OPENMP_FLAG in flags else "single-threaded"
+        return fn, f"native ({os.path.basename(compiler)} {' '.join(flags[:2])}, {threading_note})"
+    return None, f"torch fallback (native kernel build failed: {error[:200]})"
+
+
+def native_kernel():
+    """The compiled kernel (a ctypes function), or None when it cannot be built here."""
+    return _load()[0]
+
+
+def native_status() -> str:
+    """How the CPU masked GEMV runs on this machine, in words (for benchmarks and logs)."""
+    return _load()[1]
+
+
+def native_limit(K: int, threads: int = 1) -> int:
+    """Most active inputs (of K) for which the native kernel beats the dense GEMV."""
+    return int((NATIVE_MAX_FRACTION if threads <= 1 else NATIVE_MAX_FRACTION_THREADED) * K)
+
+
+_scratch = threading.local()  # per thread: the masked input handed to the dense GEMV
+
+
+def _scratch_buffer(K: int) -> torch.Tensor:
+    buf = getattr(_scratch, "buf", None)
+    if buf is None or buf.numel() < K:
+        buf = _scratch.buf = torch.empty(max(K, 4096), dtype=torch.float32)
+    return buf
+
+
+def masked_linear_native(weight: torch.Tensor, v: torch.Tensor, threshold: float, mode_id: int,
+                         scale: torch.Tensor | None = None, bias: torch.Tensor | None = None,
+                         limit: int | None = None) -> torch.Tensor | None:
+    """One token, fp32 CPU: ``weight @ (m ⊙ v) (+ bias)`` as one native call.
+
+    ``weight`` is an nn.Linear weight (N × K) stored column-major (``weight.t()`` row-major
+    contiguous, see rana.modules.common.column_major_linear). ``mode_id`` is a value of
+    ``MODE_IDS``; ``threshold`` a python float (``-inf``: everything active). Returns None when
+    the kernel is unavailable or the inputs do not suit it (not one fp32 CPU token, other
+    layouts, ``abs_scaled`` without scale); the caller then takes its torch path. Above ``limit``
+    active inputs (default :func:`native_limit` for torch's thread count) the dense BLAS GEMV on
+    the masked input runs instead. This runs once per projection per decoded token, so it avoids
+    every avoidable Python and torch call (each costs ~0.1-1 µs).
+    """
+    fn = _load()[0]
+    N, K = weight.shape
+    if (fn is None or v.dtype is not torch.float32 or weight.dtype is not torch.float32 or not v.is_cpu
+            or v.numel() != K or weight.stride(0) != 1 or not v.is_contiguous()):
+        return None
+    if mode_id == 2:
+        if scale is None or scale.dtype is not torch.float32 or not scale.is_contiguous():
+            return None
+        scale_ptr = scale.data_ptr()
+    else:
+        scale_ptr = None
+    if bias is not None and (bias.dtype is not torch.float32 or not bias.is_contiguous()):
+        return None
+    threads = torch.get_num_threads()
+    if limit is None:
+        limit = native_limit(K, threads)
+    y = torch.empty(_out_shape(v.dim(), N), dtype=torch.float32)
+    xm = _scratch_buffer(K)
+    n = fn(weight.data_ptr(), v.data_ptr(), K, N, weight.stride(1), threshold, mode_id, scale_ptr,
+           None if bias is None else bias.data_ptr(), y.data_ptr(), limit, xm.data_ptr(), threads)
+    if n > limit:  # mostly active: the dense BLAS GEMV on the masked input is faster
+        return torch.nn.functional.linear(xm[:K], weight, bias).view(y.shape)
+    return y
+
+
+@functools.lru_cache(maxsize=64)
+def _out_shape(dim: int, N: int) -> tuple[int, ...]:
+    return (1,) * (dim - 1) + (N,)
+
+
+def masked_gemv_native(w_t: torch.Tensor, v: torch.Tensor, threshold: float, mode: str,
+                       scale: torch.Tensor | None = None, bias: torch.Tensor | None = None,
+                       limit: int | None = None) -> torch.Tensor | None:
+    """:func:`masked_linear_native` in masked_gemv's convention: ``w_t`` is (K, N) row-major."""
+    mode_id = MODE_IDS.get(mode)
+    if mode_id is None or w_t.dim() != 2:
+        return None
+    return masked_linear_native(w_t.t(), v, threshold, mode_id, scale=scale, bias=bias, limit=limit)

@@ -1,0 +1,179 @@
+"""The native CPU masked GEMV (kernels/cpu_gemv.py): parity, its dense branch, threads, fallbacks.
+
+Expectations are float64 sums over the active rows written in test_kernels.py, with thresholds
+placed between two scores so the active count is known exactly.
+"""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from rana.kernels import cpu_gemv as cg
+from rana.kernels import masked_gemv as mg
+from rana.modules import InputSparseLinear, NeuronThresholdLinear, RankAdapterLinear
+
+from test_kernels import MODES, _assert_close, _expected, _problem
+
+KERNEL_DIR = Path(cg.__file__).resolve().parent
+
+
+@pytest.fixture(scope="module")
+def native():
+    fn = cg.native_kernel()
+    if fn is None:
+        pytest.skip(f"native CPU kernel unavailable here: {cg.native_status()}")
+    return fn
+
+
+@pytest.fixture
+def threads():
+    """Restore torch's thread count after a test that changes it."""
+    before = torch.get_num_threads()
+    yield
+    torch.set_num_threads(before)
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("frac", [0.0, 0.05, 0.5, 0.88, 0.95, 1.0])
+@pytest.mark.parametrize("nthreads", [1, 2])
+def test_native_matches_float64(native, threads, mode, frac, nthreads):
+    """Both branches: accumulate the active rows (<= limit) and dense BLAS on the masked input."""
+    torch.set_num_threads(nthreads)
+    for K, N, lead in [(203, 130, (1,)), (576, 192, (1, 1)), (7, 3, ())]:
+        w_t, v, t, scale, b = _problem(K, N, torch.float32, mode, frac, seed=K + N, lead=lead)
+        exp = _expected(w_t, v, t, mode, scale, b)
+        for bias in (b, None):
+            e = exp if bias is not None else _expected(w_t, v, t, mode, scale, None)
+            y = cg.masked_gemv_native(w_t, v, t, mode, scale=scale, bias=bias)
+            assert y is not None and y.shape == (*lead, N)
+            _assert_close(y, e, torch.float32)
+            y_linear = cg.masked_linear_native(w_t.t(), v, t, cg.MODE_IDS[mode], scale=scale, bias=bias)
+            _assert_close(y_linear, e, torch.float32)
+
+
+@pytest.mark.parametrize("limit", [0, 10, 10_000])
+def test_native_limit_switches_branch_not_result(native, limit):
+    w_t, v, t, scale, b = _problem(300, 80, torch.float32, "abs_scaled", 0.4, seed=3)
+    y = cg.masked_gemv_native(w_t, v, t, "abs_scaled", scale=scale, bias=b, limit=limit)
+    _assert_close(y, _expected(w_t, v, t, "abs_scaled", scale, b), torch.float32)
+
+
+@pytest.mark.parametrize("nthreads", [1, 2])
+def test_native_never_reads_inactive_rows(native, threads, nthreads):
+    torch.set_num_threads(nthreads)
+    K, N = 400, 256
+    w_t, v, t, _, _ = _problem(K, N, torch.float32, "square", 0.3, bias=False, seed=5)
+    poisoned = w_t.clone()
+    poisoned[(v.reshape(K).double() ** 2) < t] = float("nan")
+    y = cg.masked_gemv_native(poisoned, v, t, "square", limit=K)
+    assert torch.isfinite(y).all()
+    _assert_close(y, _expected(w_t, v, t, "square"), torch.float32)
+
+
+def test_native_declines_what_it_does_not_handle(native):
+    """Other dtypes, layouts and several tokens go back to the caller's torch path."""
+    w_t, v, t, scale, _ = _problem(64, 32, torch.float32, "abs", 0.5, seed=7)
+    assert cg.masked_gemv_native(w_t.half(), v.half(), t, "abs") is None
+    assert cg.masked_gemv_native(w_t.t().contiguous().t(), v, t, "abs") is None  # columns not contiguous
+    assert cg.masked_gemv_native(w_t, torch.randn(2, 64), t, "abs") is None
+    assert cg.masked_gemv_native(w_t, v, t, "abs_scaled") is None  # no scale
+    assert cg.masked_gemv_native(w_t, v, t, "relu") is None
+
+
+def test_dispatcher_uses_native_for_fp32_cpu_tokens(native, monkeypatch):
+    calls = []
+    real = mg.masked_gemv_native
+
+    def spy(*a, **k):
+        y = real(*a, **k)
+        calls.append(y is not None)
+        return y
+
+    monkeypatch.setattr(mg, "masked_gemv_native", spy)
+    w_t, v, t, _, b = _problem(96, 40, torch.float32, "abs", 0.3, seed=9)
+    _assert_close(mg.masked_gemv(w_t, v, t, mode="abs", bias=b), _expected(w_t, v, t, "abs", None, b), torch.float32)
+    assert calls == [True]
+    calls.clear()
+    mg.masked_gemv(w_t.bfloat16(), v.bfloat16(), t, mode="abs")  # declined -> embedding_bag path
+    assert calls == [False]
+
+
+def _modules(K=96, N=72, r=24, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    W, b = torch.randn(N, K, generator=g), torch.randn(N, generator=g)
+    A, B = torch.randn(N, r, generator=g), torch.randn(r, K, generator=g)
+    return [InputSparseLinear(W, b, 0.6), NeuronThresholdLinear(W, b, 0.9), RankAdapterLinear(A, B, b, 1.0)]
+
+
+def test_module_decode_path_equals_masked_formula(native):
+    """Eval, one token, plain weights: the native path gives the module's own masked formula."""
+    torch.manual_seed(1)
+    for m in _modules():
+        m.eval()
+        x = torch.randn(1, 1, 96)
+        with torch.no_grad():
+            y = m(x)
+            m.train()  # the training path is the plain torch formula W (m ⊙ x)
+            m.meter_on = True
+            ref = m(x)
+            m.meter_on = False
+            m.eval()
+        torch.testing.assert_close(y, ref, atol=1e-5, rtol=1e-5)
+        assert 0 < m.mean_active() < getattr(m, "rank", m.in_features)  # the threshold really masks something
+
+
+def test_module_follows_threshold_and_weight_updates(native):
+    """No stale cache: thresholds and weights loaded later are what the next token uses."""
+    m = _modules()[0].eval()
+    x = torch.randn(1, 1, 96)
+    state = {k: v.clone() for k, v in m.state_dict().items()}
+    state["threshold"].fill_(1e9)
+    m.load_state_dict(state)
+    with torch.no_grad():
+        torch.testing.assert_close(m(x).reshape(-1), m.linear.bias)
+        m.threshold.fill_(-float("inf"))
+        m.linear.weight.mul_(2)
+        torch.testing.assert_close(m(x), torch.nn.functional.linear(x, m.linear.weight, m.linear.bias))
+
+
+def _run(code: str, env_extra: dict, tmp_path) -> subprocess.CompletedProcess:
+    env = {**os.environ, **env_extra}
+    return subprocess.run([sys.executable, "-c", code], cwd=tmp_path, env=env, capture_output=True, text=True,
+                          timeout=300)
+
+
+_FALLBACK_CHECK = """
+import torch
+from rana.kernels import cpu_gemv as cg, masked_gemv as mg
+assert cg.native_kernel() is None, cg.native_status()
+print(cg.native_status())
+w, v = torch.randn(64, 24), torch.randn(1, 1, 64)
+y = mg.masked_gemv(w, v, 0.6, mode="abs")
+exp = (v.double() * (v.abs() >= 0.6)) @ w.double()
+assert (y.double() - exp).abs().max() < 1e-4
+print("OK")
+"""
+
+
+@pytest.mark.parametrize("env, says", [({"RANA_NATIVE_CPU": "0"}, "disabled"),
+                                       ({"CC": "/nonexistent/cc"}, "build failed")])
+def test_falls_back_to_torch_without_the_kernel(tmp_path, env, says):
+    out = _run(_FALLBACK_CHECK, {**env, "RANA_KERNEL_CACHE": str(tmp_path / "cache")}, tmp_path)
+    assert out.returncode == 0, out.stderr
+    assert "torch fallback" in out.stdout and says in out.stdout and out.stdout.strip().endswith("OK")
+
+
+def test_builds_once_into_the_cache(native, tmp_path):
+    code = "from rana.kernels import cpu_gemv as cg; assert cg.native_kernel() is not None; print(cg.native_status())"
+    cache = tmp_path / "cache"
+    for _ in range(2):
+        out = _run(code, {"RANA_KERNEL_CACHE": str(cache)}, tmp_path)
+        assert out.returncode == 0, out.stderr
+    built = list(cache.glob("*.so"))
+    assert len(built) == 1, built
+    assert not [p for p in cache.iterdir() if p.suffix != ".so"]  # no temp leftovers
