@@ -12,11 +12,14 @@ Two measurements per budget F, both *ratios to the dense model timed interleaved
 
 1. end to end: `rana.evaluate.latency_ratio` — median seconds per generated token of batch-1 greedy
    `generate` (KV cache, fixed length), compressed / dense; also with prefill subtracted (decode only).
-2. per adapted unit of every layer (q/k/v with their shared rank code, gate, up, down): the module's
-   time on single-token inputs captured during a real decode vs the dense module it replaced, next
-   to the unit's measured FLOP fraction f on the same inputs (MacMeter). Decoding is memory bound,
-   so the limit of an adapted unit's speedup is about 1/f (method.md §5); "efficiency" is
-   achieved speedup / (1/f).
+2. per adapted unit of every layer (q/k/v with their shared rank code, o, gate, up, down): on CPU
+   the unit's modules are timed inside real greedy decoding (weights streamed from memory as in
+   use), compressed vs dense generations alternating; on GPU on single-token inputs captured
+   during a real decode. Next to it the unit's measured FLOP fraction f on the decoded tokens
+   (MacMeter). Decoding is memory bound, so the limit of an adapted unit's speedup is about 1/f
+   (method.md §5); "efficiency" is achieved speedup / (1/f).
+
+`--threads N` (CPU, default 1) writes decode_cpu_Nthreads.{md,json} when N > 1.
 
 `--profile` adds the top torch ops of one decode step of the dense and the most compressed model.
 """
@@ -194,6 +197,88 @@ def unit_timings(model, dense, inputs: dict, units: list[dict], device, min_run_
     return rows
 
 
+def _flop_fractions(model, ids, units, steps) -> dict[tuple, float]:
+    """Each unit's measured FLOP fraction over `steps` greedy decode steps (MacMeter, one-token calls)."""
+    for u in units:
+        for meter in u["meters"]:
+            meter.reset_meter()
+            meter.meter_on = True
+    try:
+        _generate(model, ids, steps)
+    finally:
+        for u in units:
+            for meter in u["meters"]:
+                meter.meter_on = False
+    out = {}
+    for u in units:
+        macs = sum(m.measured_macs() for m in u["meters"]) + u["dense_member_macs"]
+        out[(u["layer"], u["name"])] = macs / (sum(m.macs_dense for m in u["meters"]) + u["dense_member_macs"])
+    return out
+
+
+def _generate(model, ids, steps):
+    model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=steps, min_new_tokens=steps,
+                   do_sample=False, pad_token_id=0)
+
+
+@torch.no_grad()
+def unit_timings_in_decode(model, dense, ids, units: list[dict], steps: int, rounds: int) -> list[dict]:
+    """Per unit (CPU): µs per token of its modules *inside* real greedy decoding, compressed vs dense.
+
+    Timing a module in a loop over a few captured inputs keeps its weights in cache, which
+    decoding never does (a 135M fp32 model streams ~0.5 GB per token); here each unit's member
+    modules are timed with a wall clock around every one-token call while the whole model decodes,
+    so weights come from memory exactly as in use. Compressed and dense generations alternate
+    `rounds` times; the median per unit is kept. The FLOP fraction f comes from a separate metered
+    generation (metering switches the modules to their torch formula)."""
+    fractions = _flop_fractions(model, ids, units, steps)
+    keys = [(u["layer"], u["name"]) for u in units]
+
+    def instrument(net):
+        acc, patched = {k: [0.0, 0] for k in keys}, []
+        for u in units:
+            slot = acc[(u["layer"], u["name"])]
+            for path in u["paths"]:
+                mod = net.get_submodule(path)
+                inner = mod.forward
+                patched.append((mod, mod.__dict__.get("forward")))
+
+                def timed(*a, _inner=inner, _slot=slot, **k):
+                    x = a[0] if a else next(iter(k.values()))
+                    if x.numel() != x.shape[-1]:
+                        return _inner(*a, **k)
+                    t0 = time.perf_counter()
+                    y = _inner(*a, **k)
+                    _slot[0] += time.perf_counter() - t0
+                    return y
+
+                mod.forward = timed
+        return acc, patched
+
+    per_round = {k: {"ours": [], "dense": []} for k in keys}
+    for _ in range(rounds):
+        for label, net in (("ours", model), ("dense", dense)):
+            acc, patched = instrument(net)
+            try:
+                _generate(net, ids, steps)
+            finally:
+                for mod, own in reversed(patched):
+                    if own is None:
+                        del mod.forward  # back to the class method
+                    else:
+                        mod.forward = own
+            for k in keys:
+                per_round[k][label].append(acc[k][0] / steps * 1e6)
+    rows = []
+    for (layer, name) in keys:
+        us, dense_us = statistics.median(per_round[(layer, name)]["ours"]), statistics.median(per_round[(layer, name)]["dense"])
+        f = fractions[(layer, name)]
+        speedup = dense_us / us
+        rows.append({"layer": layer, "unit": name, "flop_fraction": f, "us": us, "dense_us": dense_us,
+                     "speedup": speedup, "ideal_speedup": 1.0 / f, "efficiency": speedup * f})
+    return rows
+
+
 # ------------------------------------------------------------------------------------ profiling
 @torch.no_grad()
 def profile_step(model, ids: torch.Tensor, top: int = 12) -> list[dict]:
@@ -260,10 +345,12 @@ def _env(device) -> str:
 def write_report(records: dict, device, args, env: str | None = None) -> None:
     RESULTS.mkdir(parents=True, exist_ok=True)
     tag = "gpu" if device.type == "cuda" else "cpu"
+    stem = f"decode_{tag}" if tag == "gpu" or args.threads == 1 else f"decode_cpu_{args.threads}threads"
     records.setdefault("env", env or _env(device))
     records.setdefault("args", {k: v for k, v in vars(args).items() if k not in ("render", "notes")})
-    (RESULTS / f"decode_{tag}.json").write_text(json.dumps(records, indent=1, default=float) + "\n")
+    (RESULTS / f"{stem}.json").write_text(json.dumps(records, indent=1, default=float) + "\n")
     lines = [f"# Batch-1 greedy decoding: compressed {MODEL} vs dense ({tag.upper()})", "", records["env"], "",
+             f"- CPU masked GEMV: {records['kernel']}" if tag == "cpu" else "- GPU masked GEMV: Triton",
              f"- model {MODEL}, float32, rana method, calibration {args.calib_tokens} tokens of `{args.dataset}`",
              f"- end to end: `rana.evaluate.latency_ratio`, prompt {records['prompt_tokens']} tokens, "
              f"{args.new_tokens} new tokens, median of {args.repeats} runs after {args.warmup} warm-up, compressed and "
@@ -276,9 +363,13 @@ def write_report(records: dict, device, args, env: str | None = None) -> None:
                      f"{r['tokens_per_s']:.1f} | {r['latency_ratio']:.3f} | {r['decode_latency_ratio']:.3f} | "
                      f"{r['speedup']:.2f}× | {1 / r['measured_flops']:.2f}× |")
     lines += ["", "## Per adapted unit (mean over layers)", "",
-              f"Single-token inputs captured from {args.capture_steps} real decode steps; time per token of the "
-              "adapted module(s) vs the dense module(s) it replaced, same inputs, interleaved; f = measured FLOP "
-              "fraction of the unit on those inputs; efficiency = speedup / (1/f), 1.0 = the memory-bound limit.",
+              (f"Time per token of each unit's modules measured inside real greedy decoding ({args.new_tokens} "
+               f"tokens, weights streamed from memory as in use), compressed and dense generations alternating "
+               f"{args.rounds} times, median; f = measured FLOP fraction of the unit on the decoded tokens"
+               if tag == "cpu" else
+               f"Single-token inputs captured from {args.capture_steps} real decode steps; time per token of the "
+               "adapted module(s) vs the dense module(s) it replaced, same inputs, interleaved; f = measured FLOP "
+               "fraction of the unit on those inputs") + "; efficiency = speedup / (1/f), 1.0 = the memory-bound limit.",
               "", "| F | unit | f | dense µs | compressed µs | speedup | 1/f | efficiency (median, min–max over layers) |",
               "|---|---|---|---|---|---|---|---|"]
     for f, summary in records["units_summary"].items():
@@ -304,8 +395,8 @@ def write_report(records: dict, device, args, env: str | None = None) -> None:
             lines.append("")
     if args.notes:
         lines += ["", "## Notes", "", Path(args.notes).read_text().strip()]
-    (RESULTS / f"decode_{tag}.md").write_text("\n".join(lines) + "\n")
-    print(f"wrote {RESULTS / f'decode_{tag}.md'}", flush=True)
+    (RESULTS / f"{stem}.md").write_text("\n".join(lines) + "\n")
+    print(f"wrote {RESULTS / f'{stem}.md'}", flush=True)
 
 
 # ------------------------------------------------------------------------------------ main
@@ -314,7 +405,10 @@ def run_device(device, dense, models, tokenizer, args) -> dict:
 
     dense = dense.to(device)
     ids = tokenizer(DEFAULT_PROMPT, return_tensors="pt")["input_ids"]
+    from rana.kernels.cpu_gemv import native_status
+
     records = {"device": str(device), "prompt_tokens": int(ids.shape[1]), "new_tokens": args.new_tokens,
+               "kernel": native_status(),
                "threads": torch.get_num_threads(), "end_to_end": [], "units": {}, "units_summary": {}}
     for f, (model, plan) in models.items():
         model = model.to(device)
@@ -325,8 +419,11 @@ def run_device(device, dense, models, tokenizer, args) -> dict:
         print(f"[{device}] F={f}: {r['tokens_per_s']:.1f} vs dense {r['dense_tokens_per_s']:.1f} tok/s, "
               f"ratio {r['latency_ratio']:.3f} (decode only {r['decode_latency_ratio']:.3f})", flush=True)
         units = _units(model)
-        inputs = capture_decode_inputs(model, ids.to(device), units, args.capture_steps)
-        rows = unit_timings(model, dense, inputs, units, device, args.min_run_time, args.rounds)
+        if device.type == "cpu":
+            rows = unit_timings_in_decode(model, dense, ids, units, args.new_tokens, args.rounds)
+        else:  # a wall clock per call would need a sync per call on a GPU: time captured inputs instead
+            inputs = capture_decode_inputs(model, ids.to(device), units, args.capture_steps)
+            rows = unit_timings(model, dense, inputs, units, device, args.min_run_time, args.rounds)
         records["units"][str(f)] = rows
         records["units_summary"][str(f)] = summarize_units(rows)
         a = records["units_summary"][str(f)]["all adapted"]
