@@ -283,15 +283,29 @@ def unit_timings_in_decode(model, dense, ids, units: list[dict], steps: int, rou
 @torch.no_grad()
 def profile_step(model, ids: torch.Tensor, top: int = 12) -> list[dict]:
     """Self CPU time per op of 8 decode steps (prefill excluded), heaviest first."""
-    from torch.profiler import ProfilerActivity, profile
+    from torch.profiler import ProfilerActivity, profile, record_function
+
+    from rana.kernels import cpu_gemv
 
     out = model(ids, use_cache=True)
     past, nxt = out.past_key_values, out.logits[:, -1:].argmax(-1)
-    with profile(activities=[ProfilerActivity.CPU]) as prof:
-        for step in range(8):
-            mask = torch.ones(1, ids.shape[1] + step + 1, dtype=torch.long)
-            out = model(nxt, past_key_values=past, attention_mask=mask, use_cache=True)
-            past, nxt = out.past_key_values, out.logits[:, -1:].argmax(-1)
+    loader = cpu_gemv._load
+    fn, status = loader()
+    if fn is not None:  # the C call is no torch op: name it for the profiler
+
+        def named(*a):
+            with record_function("rana::native_masked_gemv (C)"):
+                return fn(*a)
+
+        cpu_gemv._load = lambda: (named, status)
+    try:
+        with profile(activities=[ProfilerActivity.CPU]) as prof:
+            for step in range(8):
+                mask = torch.ones(1, ids.shape[1] + step + 1, dtype=torch.long)
+                out = model(nxt, past_key_values=past, attention_mask=mask, use_cache=True)
+                past, nxt = out.past_key_values, out.logits[:, -1:].argmax(-1)
+    finally:
+        cpu_gemv._load = loader
     events = sorted(prof.key_averages(), key=lambda e: e.self_cpu_time_total, reverse=True)
     total = sum(e.self_cpu_time_total for e in events)
     return [{"op": e.key, "calls_per_token": e.count / 8, "self_us_per_token": e.self_cpu_time_total / 8,

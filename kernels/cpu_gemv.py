@@ -29,6 +29,7 @@ import hashlib
 import os
 import platform
 import shutil
+import struct
 import subprocess
 import tempfile
 import threading
@@ -204,13 +205,18 @@ def native_limit(K: int, threads: int = 1) -> int:
     return int((NATIVE_MAX_FRACTION if threads <= 1 else NATIVE_MAX_FRACTION_THREADED) * K)
 
 
-_scratch = threading.local()  # per thread: the masked input handed to the dense GEMV
+_scratch = threading.local()  # per thread: buffers the masked input is written to
 
 
-def _scratch_buffer(K: int) -> torch.Tensor:
-    buf = getattr(_scratch, "buf", None)
-    if buf is None or buf.numel() < K:
-        buf = _scratch.buf = torch.empty(max(K, 4096), dtype=torch.float32)
+def _scratch_input(shape: torch.Size) -> torch.Tensor:
+    """A per-thread fp32 buffer of v's shape: the masked input for the dense branch (and index
+    scratch for the C code). Shaped like v so the dense GEMV returns the output shape directly."""
+    buffers = getattr(_scratch, "buffers", None)
+    if buffers is None:
+        buffers = _scratch.buffers = {}
+    buf = buffers.get(shape)
+    if buf is None:
+        buf = buffers[shape] = torch.empty(shape, dtype=torch.float32)
     return buf
 
 
@@ -223,16 +229,33 @@ def masked_linear_native(weight: torch.Tensor, v: torch.Tensor, threshold: float
     contiguous, see rana.modules.common.column_major_linear). ``mode_id`` is a value of
     ``MODE_IDS``; ``threshold`` a python float (``-inf``: everything active). Returns None when
     the kernel is unavailable or the inputs do not suit it (not one fp32 CPU token, other
-    layouts, ``abs_scaled`` without scale); the caller then takes its torch path. Above ``limit``
+    layouts, ``abs_scaled`` without scale, gradients wanted, under torch.compile); the caller
+    then takes its torch path. Above ``limit``
     active inputs (default :func:`native_limit` for torch's thread count) the dense BLAS GEMV on
     the masked input runs instead. This runs once per projection per decoded token, so it avoids
     every avoidable Python and torch call (each costs ~0.1-1 µs).
     """
     fn = _load()[0]
+    if fn is None:
+        return None
+    key = weight.data_ptr()
+    if limit is None and mode_id == 3 and threshold > 0 and v.dtype is torch.float32:
+        streak = _dense_streak.get(key, 0)
+        if streak > 0:
+            # |v| >= t masking and this weight's last scan found it mostly active: take the dense branch
+            # without scanning, masking with one fused op (|v| > the float below t  <=>  |v| >= t in
+            # fp32). Plain differentiable torch ops, so none of the checks below are needed.
+            _dense_streak[key] = streak - 1
+            return torch.nn.functional.linear(torch.nn.functional.hardshrink(v, _float_below(threshold)),
+                                              weight, bias)
     N, K = weight.shape
-    if (fn is None or v.dtype is not torch.float32 or weight.dtype is not torch.float32 or not v.is_cpu
+    if (v.dtype is not torch.float32 or weight.dtype is not torch.float32 or not v.is_cpu
             or v.numel() != K or weight.stride(0) != 1 or not v.is_contiguous()):
         return None
+    if torch.is_grad_enabled() and (weight.requires_grad or v.requires_grad):
+        return None  # the C call is invisible to autograd: differentiable callers take the torch path
+    if torch.compiler.is_compiling():
+        return None  # nor can torch.compile trace through it
     if mode_id == 2:
         if scale is None or scale.dtype is not torch.float32 or not scale.is_contiguous():
             return None
@@ -245,12 +268,28 @@ def masked_linear_native(weight: torch.Tensor, v: torch.Tensor, threshold: float
     if limit is None:
         limit = native_limit(K, threads)
     y = torch.empty(_out_shape(v.dim(), N), dtype=torch.float32)
-    xm = _scratch_buffer(K)
-    n = fn(weight.data_ptr(), v.data_ptr(), K, N, weight.stride(1), threshold, mode_id, scale_ptr,
+    xm = _scratch_input(v.shape)
+    n = fn(key, v.data_ptr(), K, N, weight.stride(1), threshold, mode_id, scale_ptr,
            None if bias is None else bias.data_ptr(), y.data_ptr(), limit, xm.data_ptr(), threads)
     if n > limit:  # mostly active: the dense BLAS GEMV on the masked input is faster
-        return torch.nn.functional.linear(xm[:K], weight, bias).view(y.shape)
+        _dense_streak[key] = DENSE_STREAK
+        return torch.nn.functional.linear(xm, weight, bias)
+    _dense_streak[key] = 0
     return y
+
+
+# weight address -> tokens left on the dense branch before the next scan. A prediction only: a wrong
+# or stale entry (a freed weight's address reused) costs time for at most DENSE_STREAK tokens, never
+# correctness, since both branches compute the same masked product.
+_dense_streak: dict[int, int] = {}
+DENSE_STREAK = 8
+
+
+@functools.lru_cache(maxsize=4096)
+def _float_below(t: float) -> float:
+    """The largest float32 below the (positive, float32) t: hardshrink keeps |v| > it, i.e. |v| >= t."""
+    bits = struct.unpack("<I", struct.pack("<f", t))[0]
+    return struct.unpack("<f", struct.pack("<I", bits - 1))[0]
 
 
 @functools.lru_cache(maxsize=64)

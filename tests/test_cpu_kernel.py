@@ -141,6 +141,17 @@ def test_module_follows_threshold_and_weight_updates(native):
         torch.testing.assert_close(m(x), torch.nn.functional.linear(x, m.linear.weight, m.linear.bias))
 
 
+def test_gradients_still_flow_in_eval_mode(native):
+    """With autograd on, one token takes the differentiable torch path (the C call is opaque)."""
+    for m in _modules():
+        m.eval()
+        x = torch.randn(1, 1, 96, requires_grad=True)
+        m(x).sum().backward()
+        assert x.grad is not None and x.grad.abs().sum() > 0
+        weight = (m.linear if hasattr(m, "linear") else m.A).weight
+        assert weight.grad is not None and weight.grad.abs().sum() > 0
+
+
 def _run(code: str, env_extra: dict, tmp_path) -> subprocess.CompletedProcess:
     env = {**os.environ, **env_extra}
     return subprocess.run([sys.executable, "-c", code], cwd=tmp_path, env=env, capture_output=True, text=True,
