@@ -238,8 +238,11 @@ def masked_linear_native(weight: torch.Tensor, v: torch.Tensor, threshold: float
     fn = _load()[0]
     if fn is None:
         return None
-    key = weight.data_ptr()
-    if limit is None and mode_id == 3 and threshold > 0 and v.dtype is torch.float32:
+    ptr = weight.data_ptr()
+    key = (ptr, threshold)  # the threshold too: a freed weight's address may be reused by another
+    if mode_id == 3 and limit is None and v.dtype is torch.float32:
+        if threshold <= 0:  # |v| >= t holds for every input: the plain dense product
+            return torch.nn.functional.linear(v, weight, bias)
         streak = _dense_streak.get(key, 0)
         if streak > 0:
             # |v| >= t masking and this weight's last scan found it mostly active: take the dense branch
@@ -269,7 +272,7 @@ def masked_linear_native(weight: torch.Tensor, v: torch.Tensor, threshold: float
         limit = native_limit(K, threads)
     y = torch.empty(_out_shape(v.dim(), N), dtype=torch.float32)
     xm = _scratch_input(v.shape)
-    n = fn(key, v.data_ptr(), K, N, weight.stride(1), threshold, mode_id, scale_ptr,
+    n = fn(ptr, v.data_ptr(), K, N, weight.stride(1), threshold, mode_id, scale_ptr,
            None if bias is None else bias.data_ptr(), y.data_ptr(), limit, xm.data_ptr(), threads)
     if n > limit:  # mostly active: the dense BLAS GEMV on the masked input is faster
         _dense_streak[key] = DENSE_STREAK
@@ -278,10 +281,10 @@ def masked_linear_native(weight: torch.Tensor, v: torch.Tensor, threshold: float
     return y
 
 
-# weight address -> tokens left on the dense branch before the next scan. A prediction only: a wrong
-# or stale entry (a freed weight's address reused) costs time for at most DENSE_STREAK tokens, never
-# correctness, since both branches compute the same masked product.
-_dense_streak: dict[int, int] = {}
+# (weight address, threshold) -> tokens left on the dense branch before the next scan. A prediction
+# only: a wrong or stale entry costs time for at most DENSE_STREAK tokens, never correctness, since
+# both branches compute the same masked product.
+_dense_streak: dict[tuple[int, float], int] = {}
 DENSE_STREAK = 8
 
 

@@ -75,6 +75,27 @@ def test_native_never_reads_inactive_rows(native, threads, nthreads):
     _assert_close(y, _expected(w_t, v, t, "square"), torch.float32)
 
 
+def test_dense_prediction_never_changes_the_result(native):
+    """After a mostly-active token a weight skips the scan for a few tokens (dense branch
+    predicted); sparse tokens in that window must still give their own exact masked product."""
+    K, N = 256, 96
+    w_t, _, _, _, b = _problem(K, N, torch.float32, "abs", 0.5, seed=21)
+    g = torch.Generator().manual_seed(22)
+    t = 0.8
+    cg._dense_streak.clear()
+    calls = []
+    for step in range(3 * cg.DENSE_STREAK):
+        v = torch.randn(1, 1, K, generator=g) * (4.0 if step % 5 == 0 else 0.5)  # dense / sparse tokens
+        y = cg.masked_gemv_native(w_t, v, t, "abs", bias=b)
+        _assert_close(y, _expected(w_t, v, t, "abs", None, b), torch.float32)
+        calls.append(cg._dense_streak.get((w_t.t().data_ptr(), t), 0))
+    assert max(calls) == cg.DENSE_STREAK and min(calls) == 0  # both branches were taken
+    for t in (0.0, -1.0, float("-inf")):  # every input active: the plain product
+        v = torch.randn(1, 1, K, generator=g)
+        _assert_close(cg.masked_gemv_native(w_t, v, t, "abs", bias=b), _expected(w_t, v, None, "abs", None, b),
+                      torch.float32)
+
+
 def test_native_declines_what_it_does_not_handle(native):
     """Other dtypes, layouts and several tokens go back to the caller's torch path."""
     w_t, v, t, scale, _ = _problem(64, 32, torch.float32, "abs", 0.5, seed=7)
