@@ -15,7 +15,7 @@ The output folder holds
 * the remote code: ``configuration_rana.py`` and ``modeling_rana.py`` (rendered from
   ``rana/export_template/``) and *copies of the rana sources themselves* — the adapter modules
   (``common.py``, ``rank_linear.py``, ``neuron_linear.py``, ``cats.py``), the masked-GEMV kernels
-  (``masked_gemv.py``), LAuReL (``laurel.py``) and the architecture spec (``archspec.py``: the
+  (``masked_gemv.py``, and ``cpu_gemv.py`` with the native CPU kernel's C source), LAuReL (``laurel.py``) and the architecture spec (``archspec.py``: the
   ``ArchSpec`` machinery of ``rana.archs.base`` plus this model's spec) — with their imports of one
   another rewritten to flat relative imports (``from ..kernels.masked_gemv import`` → ``from
   .masked_gemv import``, ``from rana.archs import`` → ``from .archspec import``), so the same code

@@ -131,20 +131,26 @@ def _modules(K=96, N=72, r=24, seed=0):
     return [InputSparseLinear(W, b, 0.6), NeuronThresholdLinear(W, b, 0.9), RankAdapterLinear(A, B, b, 1.0)]
 
 
-def test_module_decode_path_equals_masked_formula(native):
+@pytest.mark.parametrize("branch", ["gather", "dense"])
+def test_module_decode_path_equals_masked_formula(native, monkeypatch, branch):
     """Eval, one token, plain weights: the native path gives the module's own masked formula."""
+    monkeypatch.setattr(cg, "native_limit", (lambda K, threads=1: K) if branch == "gather" else
+                        (lambda K, threads=1: 0))
+    cg._dense_streak.clear()
     torch.manual_seed(1)
     for m in _modules():
         m.eval()
         x = torch.randn(1, 1, 96)
         with torch.no_grad():
             y = m(x)
+            y_again = m(x)  # the dense branch is now predicted for InputSparseLinear
             m.train()  # the training path is the plain torch formula W (m ⊙ x)
             m.meter_on = True
             ref = m(x)
             m.meter_on = False
             m.eval()
         torch.testing.assert_close(y, ref, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(y_again, ref, atol=1e-5, rtol=1e-5)
         assert 0 < m.mean_active() < getattr(m, "rank", m.in_features)  # the threshold really masks something
 
 

@@ -10,7 +10,8 @@ It is the stock configuration of the source architecture plus what rebuilds the 
   was made from.
 
 Loading needs ``trust_remote_code=True`` and only torch + transformers (the ``rana`` package is not
-needed; triton is used for batch-1 decoding on CUDA when it is importable).
+needed; triton is used for batch-1 decoding on CUDA when it is importable, and on CPU a small C
+kernel is compiled once with the system compiler when one exists).
 """
 from transformers import PretrainedConfig as _StockConfig  # rana:stock-config-import
 
