@@ -145,7 +145,10 @@ def _cache_dir() -> Path:
 
 
 def _compile(compiler: str, flags: tuple[str, ...]) -> Path:
-    """Build the shared library into the cache (atomically: temp file + rename); return its path."""
+    """Build the shared library into the cache (atomically: temp dir + rename); return its path.
+
+    Compiler errors propagate (the caller reports them); an unwritable cache falls back to the
+    temporary directory."""
     key = hashlib.sha256("\0".join([_SOURCE, compiler, *flags, platform.machine(), platform.node()]).encode())
     name = f"rana_cpu_gemv_{key.hexdigest()[:16]}.so"
     for folder in (_cache_dir(), Path(tempfile.gettempdir()) / "rana_kernels"):
@@ -154,16 +157,18 @@ def _compile(compiler: str, flags: tuple[str, ...]) -> Path:
             return target
         try:
             folder.mkdir(parents=True, exist_ok=True)
-            with tempfile.TemporaryDirectory(dir=folder) as tmp:
-                src = Path(tmp) / "rana_cpu_gemv.c"
-                src.write_text(_SOURCE)
-                out = Path(tmp) / name
-                subprocess.run([compiler, *flags, "-o", str(out), str(src)], check=True,
-                               stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, timeout=120)
-                os.replace(out, target)
-            return target
+            tmp = Path(tempfile.mkdtemp(dir=folder))
         except OSError:
-            continue  # unwritable cache: try the temporary directory
+            continue  # unwritable: try the next directory
+        try:
+            src = tmp / "rana_cpu_gemv.c"
+            src.write_text(_SOURCE)
+            subprocess.run([compiler, *flags, "-o", str(tmp / name), str(src)], check=True,
+                           stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, timeout=120)
+            os.replace(tmp / name, target)
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
+        return target
     raise OSError("no writable directory for the compiled kernel")
 
 
@@ -172,9 +177,12 @@ def _load() -> tuple[object | None, str]:
     """(the ctypes function or None, a one-line status)."""
     if os.environ.get("RANA_NATIVE_CPU", "1") == "0":
         return None, "torch fallback (native kernel disabled: RANA_NATIVE_CPU=0)"
-    compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc") or shutil.which("clang")
+    requested = os.environ.get("CC")
+    compiler = shutil.which(requested) if requested else (shutil.which("cc") or shutil.which("gcc")
+                                                          or shutil.which("clang"))
     if not compiler:
-        return None, "torch fallback (no C compiler found; set CC)"
+        return None, (f"torch fallback (native kernel build failed: C compiler {requested!r} not found)" if requested
+                      else "torch fallback (no C compiler found; set CC)")
     error = ""
     for flags in ((*_FLAGS, _OPENMP_FLAG), _FLAGS):
         try:

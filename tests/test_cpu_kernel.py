@@ -199,7 +199,8 @@ print("OK")
 
 
 @pytest.mark.parametrize("env, says", [({"RANA_NATIVE_CPU": "0"}, "disabled"),
-                                       ({"CC": "/nonexistent/cc"}, "build failed")])
+                                       ({"CC": "/nonexistent/cc"}, "not found"),
+                                       ({"CC": "false"}, "build failed")])  # a "compiler" that fails
 def test_falls_back_to_torch_without_the_kernel(tmp_path, env, says):
     out = _run(_FALLBACK_CHECK, {**env, "RANA_KERNEL_CACHE": str(tmp_path / "cache")}, tmp_path)
     assert out.returncode == 0, out.stderr
