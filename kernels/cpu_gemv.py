@@ -284,6 +284,8 @@ def masked_linear_native(weight: torch.Tensor, v: torch.Tensor, threshold: float
     xm = _scratch_input(v.shape)
     n = fn(ptr, v.data_ptr(), K, N, weight.stride(1), threshold, mode_id, scale_ptr,
            None if bias is None else bias.data_ptr(), y.data_ptr(), limit, xm.data_ptr(), threads)
+    if len(_dense_streak) > _STREAK_ENTRIES:  # bounded: thresholds may be swept in one process
+        _dense_streak.clear()
     if n > limit:  # mostly active: the dense BLAS GEMV on the masked input is faster
         _dense_streak[key] = DENSE_STREAK
         return torch.nn.functional.linear(xm, weight, bias)
@@ -296,6 +298,7 @@ def masked_linear_native(weight: torch.Tensor, v: torch.Tensor, threshold: float
 # both branches compute the same masked product.
 _dense_streak: dict[tuple[int, float], int] = {}
 DENSE_STREAK = 8
+_STREAK_ENTRIES = 1 << 16
 
 
 @functools.lru_cache(maxsize=4096)

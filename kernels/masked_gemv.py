@@ -173,7 +173,7 @@ def _gather_torch(w_t, v, threshold, mode: str, scale, bias) -> torch.Tensor:
     # every torch op costs microseconds here, comparable to a small GEMV: keep the op count low
     v1 = v.reshape(K)
     mask = _active_mask(v1, threshold, mode, scale)
-    idx = _ALL_ROWS(K) if mask is None else mask.nonzero().view(-1)
+    idx = _all_rows(K) if mask is None else mask.nonzero().view(-1)
     if idx.numel() > CPU_GATHER_MAX_FRACTION.get(w_t.dtype, 0.5) * K:
         x = v1 if mask is None else torch.where(mask, v1, 0.0)
         y = _matmul(x, w_t, bias)
@@ -188,7 +188,7 @@ def _gather_torch(w_t, v, threshold, mode: str, scale, bias) -> torch.Tensor:
 
 
 @functools.lru_cache(maxsize=8)
-def _ALL_ROWS(K: int) -> torch.Tensor:
+def _all_rows(K: int) -> torch.Tensor:
     return torch.arange(K)
 
 

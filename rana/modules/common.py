@@ -4,6 +4,8 @@ from __future__ import annotations
 import torch
 import torch.nn as nn
 
+from ..kernels.cpu_gemv import masked_linear_native
+
 
 def column_major_linear(weight: torch.Tensor, bias: torch.Tensor | None = None) -> nn.Linear:
     """An ordinary nn.Linear whose weight (o × i) is stored transposed (i × o row-major).
@@ -24,6 +26,20 @@ def column_major_linear(weight: torch.Tensor, bias: torch.Tensor | None = None) 
 def plain_linear(layer: nn.Module) -> bool:
     """True when `layer` is an unwrapped nn.Linear (not a peft LoRA wrapper)."""
     return type(layer) is nn.Linear
+
+
+def native_decode(layer: nn.Module, x: torch.Tensor, threshold: torch.Tensor, mode_id: int,
+                  scale: torch.Tensor | None = None) -> torch.Tensor | None:
+    """`layer(m ⊙ x)` for a CPU decode token as one native call, or None (use the torch path).
+
+    Callers check `not self.training and not self.meter_on` first and pass `self._modules[...]` /
+    `self._buffers[...]`: this runs per projection per token, and Module.__getattr__ costs ~0.6 µs.
+    A peft-wrapped layer is not a plain nn.Linear, so LoRA is never skipped.
+    """
+    if not x.is_cpu or type(layer) is not nn.Linear:
+        return None
+    params = layer._parameters
+    return masked_linear_native(params["weight"], x, float(threshold), mode_id, scale, params["bias"])
 
 
 class MacMeter:

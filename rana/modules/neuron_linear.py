@@ -4,9 +4,9 @@ from __future__ import annotations
 import torch
 import torch.nn as nn
 
-from ..kernels.cpu_gemv import MODE_IDS, masked_linear_native
+from ..kernels.cpu_gemv import MODE_IDS
 from ..kernels.masked_gemv import masked_gemv
-from .common import MacMeter, column_major_linear, plain_linear
+from .common import MacMeter, column_major_linear, native_decode, plain_linear
 
 _ABS_SCALED, _ABS = MODE_IDS["abs_scaled"], MODE_IDS["abs"]
 
@@ -30,11 +30,9 @@ class NeuronThresholdLinear(nn.Module, MacMeter):
         self.column_norms.copy_(self.linear.weight.float().norm(dim=0))
 
     def forward(self, h: torch.Tensor) -> torch.Tensor:
-        linear = self._modules["linear"]
-        if h.is_cpu and not self.training and not self.meter_on and type(linear) is nn.Linear:
-            # batch-1 CPU decode: one native call (dict lookups: Module.__getattr__ costs ~0.6 µs)
-            y = masked_linear_native(linear._parameters["weight"], h, float(self._buffers["threshold"]),
-                                     _ABS_SCALED, self._buffers["column_norms"], linear._parameters["bias"])
+        if not self.training and not self.meter_on:
+            y = native_decode(self._modules["linear"], h, self._buffers["threshold"], _ABS_SCALED,
+                              self._buffers["column_norms"])
             if y is not None:
                 return y
         if h.numel() == h.shape[-1] and not self.training and plain_linear(self.linear):
@@ -65,10 +63,8 @@ class InputSparseLinear(nn.Module, MacMeter):
         self._init_meter()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        linear = self._modules["linear"]
-        if x.is_cpu and not self.training and not self.meter_on and type(linear) is nn.Linear:
-            y = masked_linear_native(linear._parameters["weight"], x, float(self._buffers["threshold"]), _ABS,
-                                     None, linear._parameters["bias"])
+        if not self.training and not self.meter_on:
+            y = native_decode(self._modules["linear"], x, self._buffers["threshold"], _ABS)
             if y is not None:
                 return y
         if x.numel() == x.shape[-1] and not self.training and plain_linear(self.linear):

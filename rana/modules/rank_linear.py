@@ -12,9 +12,9 @@ import weakref
 import torch
 import torch.nn as nn
 
-from ..kernels.cpu_gemv import MODE_IDS, masked_linear_native
+from ..kernels.cpu_gemv import MODE_IDS
 from ..kernels.masked_gemv import masked_gemv
-from .common import MacMeter, column_major_linear, plain_linear
+from .common import MacMeter, column_major_linear, native_decode, plain_linear
 
 _SQUARE = MODE_IDS["square"]
 
@@ -44,11 +44,9 @@ class RankAdapterLinear(nn.Module, MacMeter):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         z = self.B(x)
-        A = self._modules["A"]
-        if z.is_cpu and not self.training and not self.meter_on and type(A) is nn.Linear:
-            y = masked_linear_native(A._parameters["weight"], z, float(self._buffers["threshold"]), _SQUARE,
-                                     None, A._parameters["bias"])
-            if y is not None:  # batch-1 CPU decode: one native call
+        if not self.training and not self.meter_on:
+            y = native_decode(self._modules["A"], z, self._buffers["threshold"], _SQUARE)
+            if y is not None:
                 return y
         if _single_token(x) and not self.training and plain_linear(self.A):
             y = masked_gemv(self.A.weight.t(), z, self.threshold, mode="square", bias=self.A.bias)
@@ -121,11 +119,9 @@ class RankSliceLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         code = self._code()
         z, mask = code.code(x)
-        A = self._modules["A"]
-        if z.is_cpu and not self.training and type(A) is nn.Linear:
-            y = masked_linear_native(A._parameters["weight"], z, float(code.threshold), _SQUARE, None,
-                                     A._parameters["bias"])
-            if y is not None:  # batch-1 CPU decode: one native call
+        if not self.training:
+            y = native_decode(self._modules["A"], z, code._buffers["threshold"], _SQUARE)
+            if y is not None:
                 return y
         if _single_token(x) and not self.training and plain_linear(self.A):
             return masked_gemv(self.A.weight.t(), z, code.threshold, mode="square", bias=self.A.bias)
