@@ -9,7 +9,8 @@ with the threshold and accumulates the active rows of ``w_t`` four at a time, pr
 the rows ahead (short scattered rows are latency bound), in one call.
 
 The C source below is compiled once per machine with the system C compiler (``$CC``, else
-``cc``; ``-O3 -march=native``, a fraction of a second) into a cache directory
+``cc``; ``-O3 -march=native -fopenmp``, without OpenMP if that fails; a fraction of a second;
+the OpenMP runtime is torch's own libgomp when torch is loaded first) into a cache directory
 (``$RANA_KERNEL_CACHE``, else ``$XDG_CACHE_HOME/rana/kernels``, else ``~/.cache/rana/kernels``,
 else a temporary directory) and loaded with ctypes. No compiler, a failed build or
 ``RANA_NATIVE_CPU=0``: :func:`native_kernel` returns None and callers use their torch path.
