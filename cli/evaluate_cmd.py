@@ -52,6 +52,9 @@ def eval_table(results: dict) -> Table:
             ratio = lat.get("latency_ratio")
             cells += [f"{lat['tokens_per_s']:.1f}" if lat else "-", f"{ratio:.3f}" if ratio is not None else "-"]
         t.add_row(*cells)
+    paths = [x for x in dict.fromkeys((r.get("latency") or {}).get("decode_path") for r in rows) if x]
+    if paths:
+        t.caption = "decode path: " + "; ".join(paths)
     return t
 
 

@@ -313,7 +313,10 @@ def ppl_protocol(seq_len: int, max_tokens: int | None) -> str:
 
 def measure_latency(model: nn.Module, tokenizer, dense_model: nn.Module | None = None, *, new_tokens: int = 64,
                     repeats: int = 5, warmup: int = 2) -> dict:
-    """Batch-1 decode tokens/s; against `dense_model` (timed interleaved) as a ratio."""
+    """Batch-1 decode tokens/s; against `dense_model` (timed interleaved) as a ratio.
+
+    `decode_path` says which masked-GEMV path produced the numbers (they differ by device,
+    thread count and whether the native CPU kernel could be built here)."""
     from .evaluate import decode_latency, latency_ratio
 
     if dense_model is None or dense_model is model:
@@ -321,8 +324,23 @@ def measure_latency(model: nn.Module, tokenizer, dense_model: nn.Module | None =
         out = {"tokens_per_s": r["tokens_per_s"], "decode_tokens_per_s": r["decode_tokens_per_s"], "model": r}
         if dense_model is model:
             out.update(dense_tokens_per_s=r["tokens_per_s"], latency_ratio=1.0, speedup=1.0, decode_latency_ratio=1.0)
-        return out
-    return latency_ratio(model, dense_model, tokenizer, new_tokens=new_tokens, warmup=warmup, repeats=repeats)
+    else:
+        out = latency_ratio(model, dense_model, tokenizer, new_tokens=new_tokens, warmup=warmup, repeats=repeats)
+    out["decode_path"] = decode_path(model)
+    return out
+
+
+def decode_path(model: nn.Module) -> str:
+    """The batch-1 masked-GEMV path `model`'s adapters take where it lives, in words."""
+    from .kernels.cpu_gemv import native_status
+    from .kernels.masked_gemv import triton_available
+
+    device = next(model.parameters()).device
+    if device.type == "cuda":
+        return "CUDA: " + ("Triton masked-GEMV kernels" if triton_available() else "dense masked product (no triton)")
+    if device.type == "cpu":
+        return f"CPU, {torch.get_num_threads()} thread(s): {native_status()}"
+    return f"{device.type}: dense masked product"
 
 
 # --------------------------------------------------------------------------- per-block errors

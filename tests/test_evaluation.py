@@ -173,12 +173,14 @@ def test_eval_cli_writes_json_with_ppl_and_flops(eval_setup, tmp_path, monkeypat
         assert set(row["flops"]["by_part"]) == {"attention", "mlp", "other"}
         assert row["flops"]["tokens"] == r["windows"] * 64
         assert row["latency"]["tokens_per_s"] > 0
+        assert row["latency"]["decode_path"].startswith("CPU")
         assert row["tasks"]["lambada_openai_local"]["acc"] == 0.25
     assert 0.5 < teal["flops"]["fraction"] < 0.95 and dense["flops"]["fraction"] == 1.0
     assert teal["flops"]["gflops_per_token"] < dense["flops"]["gflops_per_token"]
     assert teal["latency"]["latency_ratio"] > 0 and dense["latency"]["latency_ratio"] == 1.0
     assert all(e["attention_adapted"] and e["o_adapted"] and e["attention"] > 0 for e in teal["layer_errors"])
     assert "non-overlapping 64-token windows" in data["protocol"]
+    assert "decode path: CPU" in res.output  # the table says which masked-GEMV path was timed
     assert calls[0][1]["data_dir"] == tmp_path and calls[0][1]["limit"] == 2
     assert "rana eval" in res.output
 
