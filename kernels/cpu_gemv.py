@@ -41,6 +41,7 @@ import torch
 __all__ = ["native_kernel", "native_status", "masked_gemv_native", "masked_linear_native", "native_limit", "MODE_IDS"]
 
 MODE_IDS = {"none": 0, "square": 1, "abs_scaled": 2, "abs": 3}
+_ABS_SCALED, _ABS = MODE_IDS["abs_scaled"], MODE_IDS["abs"]
 
 # Dense BLAS beats the native kernel once more than this fraction of the inputs is active. Set
 # from timings inside real decoding (SmolLM2, fp32, benchmarks/results/decode_cpu*.md), where
@@ -241,17 +242,17 @@ def masked_linear_native(weight: torch.Tensor, v: torch.Tensor, threshold: float
     ``MODE_IDS``; ``threshold`` a python float (``-inf``: everything active). Returns None when
     the kernel is unavailable or the inputs do not suit it (not one fp32 CPU token, other
     layouts, ``abs_scaled`` without scale, gradients wanted, under torch.compile); the caller
-    then takes its torch path. Above ``limit``
-    active inputs (default :func:`native_limit` for torch's thread count) the dense BLAS GEMV on
-    the masked input runs instead. This runs once per projection per decoded token, so it avoids
-    every avoidable Python and torch call (each costs ~0.1-1 µs).
+    then takes its torch path. Above ``limit`` active inputs (default :func:`native_limit` for
+    torch's thread count) the dense BLAS GEMV on the masked input runs instead. This runs once
+    per projection per decoded token, so it avoids every avoidable Python and torch call (each
+    costs ~0.1-1 µs).
     """
     fn = _load()[0]
     if fn is None:
         return None
     ptr = weight.data_ptr()
     key = (ptr, threshold)  # the threshold too: a freed weight's address may be reused by another
-    if mode_id == 3 and limit is None and v.dtype is torch.float32:
+    if mode_id == _ABS and limit is None and v.dtype is torch.float32:
         if threshold <= 0:  # |v| >= t holds for every input: the plain dense product
             return torch.nn.functional.linear(v, weight, bias)
         streak = _dense_streak.get(key, 0)
@@ -270,7 +271,7 @@ def masked_linear_native(weight: torch.Tensor, v: torch.Tensor, threshold: float
         return None  # the C call is invisible to autograd: differentiable callers take the torch path
     if torch.compiler.is_compiling():
         return None  # nor can torch.compile trace through it
-    if mode_id == 2:
+    if mode_id == _ABS_SCALED:
         if scale is None or scale.dtype is not torch.float32 or not scale.is_contiguous():
             return None
         scale_ptr = scale.data_ptr()

@@ -324,21 +324,14 @@ def masked_gemv_triton(w_t, v, threshold, *, mode: str, scale=None, bias=None) -
 def masked_gemv(w_t, v, threshold, *, mode: str, scale=None, bias=None) -> torch.Tensor:
     """Masked ``v @ w_t`` choosing the fastest path for where the tensors are.
 
-    * one token on CPU, fp32                     -> the native kernel of cpu_gemv.py (one call)
     * one token on CUDA with triton importable  -> :func:`masked_gemv_triton`
-    * one token otherwise                        -> :func:`masked_gemv_torch` (CPU gather path;
-      on a GPU without triton it reduces to the dense masked product, no sync)
+    * one token otherwise                        -> :func:`masked_gemv_torch` (on CPU the native
+      kernel of cpu_gemv.py, else a torch gather; on a GPU without triton the dense masked
+      product, no sync)
     * several tokens (batch > 1, prefill)        -> :func:`masked_gemv_dense`
     """
     if w_t.dim() != 2 or v.numel() != w_t.shape[0]:
         return masked_gemv_dense(w_t, v, threshold, mode=mode, scale=scale, bias=bias)
-    if v.device.type == "cpu":  # checked first and kept lean: this runs per projection per token
-        t = -math.inf if threshold is None else float(threshold)
-        y = masked_gemv_native(w_t, v, t, mode, scale=scale, bias=bias)
-        if y is not None:
-            return y
-        _check(w_t, v, mode, threshold, scale)
-        return _gather_torch(w_t, v, threshold, mode, scale, bias)
     if v.is_cuda and w_t.is_cuda and triton_available():
         return masked_gemv_triton(w_t, v, threshold, mode=mode, scale=scale, bias=bias)
     return masked_gemv_torch(w_t, v, threshold, mode=mode, scale=scale, bias=bias)
