@@ -18,7 +18,7 @@ import torch
 import torch.nn as nn
 
 from .archs import ArchSpec, decoder_layers
-from .calibrate import LayerInputs, collect_inputs, run_layer, _layer_output, _to
+from .calibrate import LayerInputs, call_layer, collect_inputs, run_layer
 from .math.allocate import ErrorCurve, allocate
 from .methods import LayerContext, Method, role_path
 
@@ -43,7 +43,7 @@ def _shared_copy(layer: nn.Module) -> nn.Module:
 
 @torch.no_grad()
 def _layer_outputs(layer: nn.Module, inputs: LayerInputs, device) -> list[torch.Tensor]:
-    return [_layer_output(layer(h.to(device), **_to(kw, device))).float() for h, kw in zip(inputs.hidden, inputs.kwargs)]
+    return [call_layer(layer, h, kw, device).float() for h, kw in zip(inputs.hidden, inputs.kwargs)]
 
 
 def _per_token_perturbation(ref: list[torch.Tensor], out: list[torch.Tensor]) -> float:

@@ -13,7 +13,7 @@ from typing import Callable
 import torch
 import torch.nn as nn
 
-from . import distributed
+from . import distributed, placement
 from .archs import ArchSpec, decoder_layers
 
 
@@ -38,18 +38,6 @@ class LayerInputs:
     @property
     def tokens(self) -> int:
         return sum(h.shape[0] * h.shape[1] for h in self.hidden)
-
-
-def _to(obj, device):
-    if torch.is_tensor(obj):
-        return obj.to(device)
-    if isinstance(obj, tuple):
-        return tuple(_to(o, device) for o in obj)
-    if isinstance(obj, list):
-        return [_to(o, device) for o in obj]
-    if isinstance(obj, dict):
-        return {k: _to(v, device) for k, v in obj.items()}
-    return obj
 
 
 _CACHE_KWARGS = ("past_key_values", "past_key_value", "layer_past", "use_cache")
@@ -93,7 +81,7 @@ def _share_per_layer(raw: list[dict], offload: torch.device) -> list[dict]:
                 out.append(moved)
                 break
         else:
-            moved = _to(kw, offload)
+            moved = placement.to_offload(kw, offload)
             unique.append((kw, moved))
             out.append(moved)
     return out
@@ -135,7 +123,7 @@ def capture_first_layer_inputs(model: nn.Module, spec: ArchSpec, sequences: torc
                 model(input_ids=batch, use_cache=False)
             except _Stop:
                 pass
-            hidden.append(record["hidden"].to(offload))
+            hidden.append(placement.to_offload(record["hidden"], offload))
             kwargs.append(LayerKwargs(_share_per_layer([record[i] for i in range(n_layers)], offload), 0, b, role))
     finally:
         for layer in layers:
@@ -147,12 +135,17 @@ def _layer_output(out):
     return out[0] if isinstance(out, (tuple, list)) else out
 
 
+def call_layer(layer: nn.Module, hidden: torch.Tensor, kwargs: dict, device: torch.device) -> torch.Tensor:
+    """One layer on one batch of offloaded activations; its output stays on the compute device."""
+    return _layer_output(layer(placement.to_compute(hidden, device), **placement.to_compute(dict(kwargs), device)))
+
+
 @torch.no_grad()
 def run_layer(layer: nn.Module, inputs: LayerInputs, *, device: torch.device, offload: torch.device) -> LayerInputs:
     """Push the hidden states through one (possibly compressed) layer."""
     out = []
     for h, kw in zip(inputs.hidden, inputs.kwargs):
-        y = _layer_output(layer(h.to(device), **_to(kw, device))).to(offload)
+        y = placement.to_offload(call_layer(layer, h, kw, device), offload)
         out.append(inputs.spill(y) if inputs.spill is not None else y)
     nxt = [kw.advance() if isinstance(kw, LayerKwargs) else kw for kw in inputs.kwargs]
     return LayerInputs(hidden=out, kwargs=nxt, spill=inputs.spill)
@@ -219,16 +212,15 @@ def collect_inputs(
                     "the model overflows in this dtype: retry with --dtype float32")
             s = stats[name]
             if phase["eval"]:
-                s.eval_rows.append(x2.float().cpu())
+                s.eval_rows.append(placement.stat_rows(x2))
                 row_ids[name]["eval"].append(phase["batch"])
             else:
                 if phase["moment"] and name in second_moment:
-                    xd = x2.float()
-                    c = (xd.T @ xd).double()
+                    c = placement.second_moment(x2)
                     s.moment = c if s.moment is None else s.moment + c
                     s.count += x2.shape[0]
                 if phase["sample"]:
-                    s.fit_rows.append(x2.float().cpu())
+                    s.fit_rows.append(placement.stat_rows(x2))
                     row_ids[name]["fit"].append(phase["batch"])
             if module is stop_at:
                 raise _Stop
@@ -249,7 +241,7 @@ def collect_inputs(
                     phase["moment"], phase["sample"] = role in ("moment", "both"), role in ("sample", "both")
                 phase["batch"] = getattr(kw, "batch_id", None)
                 try:
-                    layer(h.to(device), **_to(kw, device))
+                    call_layer(layer, h, kw, device)
                 except _Stop:
                     pass
     finally:
@@ -257,5 +249,5 @@ def collect_inputs(
             hd.remove()
     if distributed.active():  # pool moments and sample / held-aside rows over processes
         dims = {n: getattr(m, "in_features", None) for n, m in targets.items()}
-        distributed.reduce_stats(stats, row_ids, dims, second_moment)
+        distributed.reduce_stats(stats, row_ids, dims, second_moment, device)
     return stats

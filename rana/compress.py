@@ -19,6 +19,7 @@ from .math.flops import adapted_fraction
 from .allocate import profile_and_allocate
 from .methods import LayerContext, Method, _qkv_modules, _relative_error, get_method, role_path, unsupported_reason
 from .offload import Residency, load_for_compression
+from .placement import as_module_input
 
 
 class BudgetError(ValueError):
@@ -57,11 +58,12 @@ def _step_error(ctx: LayerContext, step_name: str, stats, device) -> Callable[[]
     """Snapshot the dense outputs of the step's block on held-aside inputs; return a function
     that measures the compressed block's relative output error on the same inputs."""
     if step_name == "attention":
-        x = stats["qkv_in"].eval[: ctx.search_tokens * 2].to(device)
-        ref = _module_outputs([m for _, m in _qkv_modules(ctx)], x)
+        mods = [m for _, m in _qkv_modules(ctx)]
+        x = as_module_input(stats["qkv_in"].eval[: ctx.search_tokens * 2], mods[0])
+        ref = _module_outputs(mods, x)
         return lambda: _relative_error(ref, _module_outputs([m for _, m in _qkv_modules(ctx)], x))
     mlp = ctx.module(ctx.spec.mlp)
-    x = stats["mlp_in"].eval[: ctx.search_tokens * 2].to(device)
+    x = as_module_input(stats["mlp_in"].eval[: ctx.search_tokens * 2], mlp)
     ref = mlp(x)
     return lambda: _relative_error(ref, mlp(x))
 

@@ -40,6 +40,10 @@ class CompressConfig:
             raise ValueError(f"unknown method '{self.method}' (choose from {', '.join(METHODS)})")
         if self.allocation not in ("uniform", "global"):
             raise ValueError(f"unknown allocation '{self.allocation}' (choose uniform or global)")
+        from .placement import check_device
+
+        check_device(self.device)
+        check_device(self.offload_device)
         if self.max_memory is not None:
             from .offload import parse_memory
 

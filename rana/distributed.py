@@ -166,9 +166,11 @@ def all_gather_chunks(chunks: list[torch.Tensor], ids: list[int | None], dim: in
     return [t[1] for t in tagged], [t[2] for t in tagged]
 
 
-def reduce_stats(stats: dict, row_ids: dict, dims: dict[str, int | None], second_moment: Iterable[str]) -> None:
+def reduce_stats(stats: dict, row_ids: dict, dims: dict[str, int | None], second_moment: Iterable[str],
+                 device: torch.device | str = "cpu") -> None:
     """Pool `collect_inputs` statistics across processes in place (see the module docstring).
-    `row_ids[name]` = {"fit": [...], "eval": [...]}: the global batch id of each row chunk."""
+    `row_ids[name]` = {"fit": [...], "eval": [...]}: the global batch id of each row chunk.
+    The pooled statistics end on `device`, the compute device (rana.placement)."""
     for name in sorted(stats):
         s = stats[name]
         if name in second_moment:
@@ -176,14 +178,16 @@ def reduce_stats(stats: dict, row_ids: dict, dims: dict[str, int | None], second
             if s.moment is None:  # this process saw no moment batch: contribute zeros
                 if d is None:
                     d = int(_gather_ints([s.fit_rows[0].shape[-1] if s.fit_rows else 0])[:, 0].max())
-                s.moment = torch.zeros(d, d, dtype=torch.float64)
+                s.moment = torch.zeros(d, d, dtype=torch.float64, device=device)
             count = torch.tensor([float(s.count)], dtype=torch.float64)
             all_reduce_sum_(s.moment)
             all_reduce_sum_(count)
             s.count = int(count.item())
         dim = dims.get(name)
-        s.fit_rows, row_ids[name]["fit"] = all_gather_chunks(s.fit_rows, row_ids[name]["fit"], dim)
-        s.eval_rows, row_ids[name]["eval"] = all_gather_chunks(s.eval_rows, row_ids[name]["eval"], dim)
+        fit_rows, row_ids[name]["fit"] = all_gather_chunks(s.fit_rows, row_ids[name]["fit"], dim)
+        eval_rows, row_ids[name]["eval"] = all_gather_chunks(s.eval_rows, row_ids[name]["eval"], dim)
+        s.fit_rows = [r.to(device) for r in fit_rows]
+        s.eval_rows = [r.to(device) for r in eval_rows]
 
 
 def sync_meters(module: torch.nn.Module) -> None:

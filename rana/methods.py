@@ -92,7 +92,7 @@ def _stacked(mods: list[nn.Linear]) -> tuple[torch.Tensor, torch.Tensor | None]:
     biases = [m.bias for m in mods]
     if all(b is None for b in biases):
         return W, None
-    return W, torch.cat([(b.detach() if b is not None else torch.zeros(m.out_features, dtype=W.dtype))
+    return W, torch.cat([(b.detach() if b is not None else torch.zeros(m.out_features, dtype=W.dtype, device=W.device))
                          for b, m in zip(biases, mods)])
 
 

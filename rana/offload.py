@@ -117,9 +117,9 @@ def estimate_memory(model_config, config, *, method: str | None = None, device: 
     """Peak bytes on the compute device while one layer is compressed (see the module docstring).
 
     Activations are counted for one calibration batch in float32 (the hooks' upcast), attention
-    scores as materialised by eager attention (an upper bound for SDPA). On a CPU device the
-    calibration hidden states of all tokens (unless spilled to disk) and the sample / held-aside
-    rows the searches keep are in the same memory, so they count too."""
+    scores as materialised by eager attention (an upper bound for SDPA). The sample / held-aside
+    rows the searches keep are on the compute device (rana.placement); on a CPU device the
+    calibration hidden states of all tokens (unless spilled to disk) are in the same memory too."""
     from .accounting import layer_dims
 
     method = method or config.method
@@ -151,15 +151,16 @@ def estimate_memory(model_config, config, *, method: str | None = None, device: 
     parts = {"layer weights": w_layer, "adapters being built": w_layer, "decomposition workspace": workspace,
              "second moments": moments, "search buffers": search, "batch activations": acts,
              "embeddings/lm_head": resident}
+    # the searches' sample / held-aside rows live on the compute device (rana.placement)
+    tokens = config.calib_tokens
+    held = tokens * config.heldout_fraction
+    fit_sample = tokens * (1 - config.heldout_fraction) * distributed.THRESHOLD_FRACTION
+    widest_in = inter if method in ("svd", "teal") else h
+    parts["sample rows"] = 4 * (held + fit_sample) * (h + widest_in)
     if torch.device(device).type == "cpu":
         if streamed:  # the shard's pages, mapped while the layer is read
             parts["checkpoint pages"] = w_layer
-        tokens = config.calib_tokens
         parts["calibration hidden states"] = 0.0 if streamed else 2 * tokens * h * e
-        held = tokens * config.heldout_fraction
-        fit_sample = tokens * (1 - config.heldout_fraction) * distributed.THRESHOLD_FRACTION
-        widest_in = inter if method in ("svd", "teal") else h
-        parts["sample rows"] = 4 * (held + fit_sample) * (h + widest_in)
     return MemoryEstimate(parts=parts, device=str(device))
 
 

@@ -11,7 +11,7 @@ import torch
 from rana import distributed
 from helpers import tiny_calibration, tiny_compress_config, tiny_model
 
-METHODS = ("rana", "rana-paper")
+RUNS = (("rana", "float32"), ("rana-paper", "float32"), ("rana", "bfloat16"))
 
 
 def _run(out_path):
@@ -33,9 +33,10 @@ def _run(out_path):
     stats = collect_inputs(layer, fit, held, targets, device=cpu, second_moment=("qkv_in", "mlp_in"))
     out = {"local_fit_batches": len(fit.hidden),
            "stats": {n: {"moment": s.moment, "count": s.count, "fit": s.fit, "eval": s.eval} for n, s in stats.items()}}
-    for method in METHODS:
-        result = compress_model(tiny_model("llama"), None, tiny_compress_config(method=method, flops=0.7), calib)
-        out[method] = {"flops": result.plan["measured_flops"], "layers": result.plan["layers"]}
+    for method, dtype in RUNS:
+        result = compress_model(tiny_model("llama").to(getattr(torch, dtype)), None,
+                                tiny_compress_config(method=method, flops=0.7, dtype=dtype), calib)
+        out[method, dtype] = {"flops": result.plan["measured_flops"], "layers": result.plan["layers"]}
     torch.save(out, out_path)
 
 
@@ -88,7 +89,7 @@ def test_two_processes_match_one(tmp_path):
             assert g["count"] == s["count"]
             assert torch.allclose(g["moment"], s["moment"], rtol=1e-12, atol=1e-9)
             assert torch.equal(g["fit"], s["fit"]) and torch.equal(g["eval"], s["eval"])  # same rows, same order
-        for method in METHODS:
+        for method in RUNS:
             assert got[method]["flops"] == pytest.approx(ref[method]["flops"], abs=1e-9)
             for (l1, s1, n1, a), (l2, s2, n2, b) in zip(_components(ref[method]["layers"]),
                                                          _components(got[method]["layers"]), strict=True):

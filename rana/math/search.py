@@ -100,7 +100,7 @@ def input_sparse_choice(x_fit: torch.Tensor, x_eval: torch.Tensor, weight: torch
     if budget >= i * o:
         return RankChoice(rank=0, threshold=-math.inf, expected_active=float(i), macs=float(i * o), error=0.0, kind="dense")
     W = weight.float()
-    norms = W.norm(dim=0) if weighted else torch.ones(i)
+    norms = W.norm(dim=0) if weighted else torch.ones(i, device=W.device)
     keep = budget / (o * i)
     t = threshold_for_keep_fraction(neuron_scores(x_fit.float(), norms), keep)
     xe = x_eval.float()
@@ -159,7 +159,7 @@ def _adapted_output(comp: MlpComponent, choice: RankChoice, x: torch.Tensor, whi
         return x.float() @ comp.weight.float().T
     if choice.kind == "sparse":
         W = comp.weight.float()
-        norms = W.norm(dim=0) if comp.weighted else torch.ones(W.shape[1])
+        norms = W.norm(dim=0) if comp.weighted else torch.ones(W.shape[1], device=W.device)
         return (x.float() * (neuron_scores(x.float(), norms) >= choice.threshold)) @ W.T
     B = comp.U[:, : choice.rank].T.float() @ comp.weight.float()
     z = x.float() @ B.T
@@ -206,7 +206,7 @@ def grid_search_mlp(
     (TEAL's score) instead of the contribution |h_i|·‖W_down[:, i]‖."""
     d_out, inter = down_weight.shape
     down_w = down_weight.float()
-    col_norms = down_w.norm(dim=0) if weighted_down else torch.ones(inter)  # down's input score
+    col_norms = down_w.norm(dim=0) if weighted_down else torch.ones(inter, device=down_w.device)  # down's input score
     up_ref = x_eval.float() @ up.weight.float().T
     ref_eval = act(x_eval.float() @ gate.weight.float().T) * up_ref if gate is not None else act(up_ref)
     ref_out = ref_eval @ down_w.T

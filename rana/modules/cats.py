@@ -7,7 +7,7 @@ import torch.nn as nn
 from .common import MacMeter
 
 
-class CatsActivation(nn.Module, MacMeter):
+class CatsActivation(MacMeter, nn.Module):
     """`a ⊙ 1{|a| ≥ t}` with `a = act(gate x)`; owns the up/down cost of the kept neurons.
 
     Zeroed neurons make `a ⊙ up(x)` zero there, so up's rows and down's columns for them are

@@ -47,9 +47,21 @@ class MacMeter:
 
     `macs_dense` is what the replaced dense computation costs per token; `measured_macs()`
     is what this module spent per token on the tokens seen since the last reset.
+
+    Listed before nn.Module in the adapters' bases so that its `_apply` runs: thresholds (and
+    the column norms they are compared with) stay float32 when the model is cast with
+    `model.to(torch.bfloat16)` / `.half()`; a threshold rounded to bf16 would move every mask.
     """
 
     macs_dense: float = 0.0
+    _float32_buffers = ("threshold", "column_norms")
+
+    def _apply(self, fn, recurse=True):
+        kept = {n: b for n in self._float32_buffers if (b := self._buffers.get(n)) is not None}
+        super()._apply(fn, recurse)
+        for name, value in kept.items():
+            self._buffers[name] = value.to(device=self._buffers[name].device, dtype=torch.float32)
+        return self
 
     def _init_meter(self) -> None:
         self.meter_on = False

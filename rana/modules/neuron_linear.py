@@ -11,7 +11,7 @@ from .common import MacMeter, column_major_linear, native_decode, plain_linear
 _ABS_SCALED, _ABS = MODE_IDS["abs_scaled"], MODE_IDS["abs"]
 
 
-class NeuronThresholdLinear(nn.Module, MacMeter):
+class NeuronThresholdLinear(MacMeter, nn.Module):
     """`W (m ⊙ h)` with `m_i = 1{|h_i|·‖W[:, i]‖ ≥ t}` (RaNA's down projection, Eq. 12)."""
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, threshold: float):
@@ -51,7 +51,7 @@ class NeuronThresholdLinear(nn.Module, MacMeter):
         return f"in={self.in_features}, out={self.out_features}, threshold={float(self.threshold):.4g}"
 
 
-class InputSparseLinear(nn.Module, MacMeter):
+class InputSparseLinear(MacMeter, nn.Module):
     """`W (m ⊙ x)` with `m_j = 1{|x_j| ≥ t}`: TEAL's training-free magnitude sparsity."""
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, threshold: float):

@@ -23,7 +23,7 @@ def _single_token(x: torch.Tensor) -> bool:
     return x.numel() == x.shape[-1]
 
 
-class RankAdapterLinear(nn.Module, MacMeter):
+class RankAdapterLinear(MacMeter, nn.Module):
     """Drop-in for an nn.Linear: children `B` (i → r) and `A` (r → o, carries the bias)."""
 
     def __init__(self, A: torch.Tensor, B: torch.Tensor, bias: torch.Tensor | None, threshold: float):
@@ -66,7 +66,7 @@ class RankAdapterLinear(nn.Module, MacMeter):
             " (static)" if t == -math.inf else "")
 
 
-class SharedRankCode(nn.Module, MacMeter):
+class SharedRankCode(MacMeter, nn.Module):
     """B and its masker for stacked q/k/v: computes `m ⊙ (B x)` once per input tensor.
 
     The three projections are called with the *same* tensor in every supported attention

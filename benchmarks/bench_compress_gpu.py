@@ -1,0 +1,195 @@
+"""`rana compress` on one GPU at the defaults (32768 calibration tokens, seq 512, F = 0.58, bf16):
+Llama-2-7B- and Llama-3-8B-shaped models, with and without `--offload-dir`.
+
+    python benchmarks/bench_compress_gpu.py                        # both shapes, random weights
+    python benchmarks/bench_compress_gpu.py --checkpoint DIR       # a real checkpoint folder instead
+    python benchmarks/bench_compress_gpu.py --smoke                # tiny shapes, any device: checks the script
+
+Random weights are built on the GPU in the script (no download) and saved once as an ordinary
+safetensors folder with a byte-level tokenizer, so both the in-RAM and the streamed (`--offload-dir`)
+paths read a real checkpoint. Each compression runs in its own process: wall time per layer and
+in total, peak GPU memory (`torch.cuda.max_memory_allocated`), peak host memory (the process's
+peak RSS), the measured FLOP fraction. The per-layer time is fitted against the layer's
+parameter count over the two shapes and extrapolated to Llama-2-70B (80 layers, hidden 8192,
+intermediate 28672, 8 KV heads). Writes benchmarks/results/compress_gpu.{md,json}.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+RESULTS = ROOT / "benchmarks" / "results"
+
+# (name, hidden, intermediate, layers, heads, kv heads, vocab)
+SHAPES = {
+    "llama2-7b-shape": (4096, 11008, 32, 32, 32, 32000),
+    "llama3-8b-shape": (4096, 14336, 32, 32, 8, 128256),
+}
+SMOKE_SHAPES = {
+    "tiny-a": (64, 176, 2, 4, 4, 300),
+    "tiny-b": (64, 224, 2, 4, 2, 300),
+}
+LLAMA2_70B = (8192, 28672, 80, 64, 8, 32000)
+TARGET_MINUTES_7B, TARGET_GPU_GB_7B, TARGET_MINUTES_70B = 10, 40, 60
+
+
+def layer_params(hidden: int, inter: int, heads: int, kv: int) -> int:
+    head_dim = hidden // heads
+    return 2 * hidden * hidden + 2 * hidden * kv * head_dim + 3 * hidden * inter
+
+
+def byte_tokenizer():
+    """Offline byte-level tokenizer (every text round-trips; ids < 257 fit any vocabulary)."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {c: i for i, c in enumerate(sorted(pre_tokenizers.ByteLevel.alphabet()))}
+    vocab["<eos>"] = len(vocab)
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    return PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<eos>")
+
+
+def build_random(folder: Path, shape: tuple, device: str, dtype) -> None:
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    hidden, inter, layers, heads, kv, vocab = shape
+    cfg = LlamaConfig(hidden_size=hidden, intermediate_size=inter, num_hidden_layers=layers, num_attention_heads=heads,
+                      num_key_value_heads=kv, vocab_size=vocab, max_position_embeddings=4096, rope_theta=10000.0)
+    torch.manual_seed(0)
+    with torch.device(device):
+        model = LlamaForCausalLM(cfg).to(dtype)
+    model.save_pretrained(folder, max_shard_size="4GB")
+    byte_tokenizer().save_pretrained(folder)
+    del model
+    if device == "cuda":
+        torch.cuda.empty_cache()
+
+
+CHILD = r"""
+import json, resource, sys, time
+import torch
+from rana.compress import compress
+from rana.config import CompressConfig
+cfg = CompressConfig(**json.loads(sys.argv[1]))
+marks = []
+def progress(stage, done, total):
+    if stage == "layers":
+        marks.append(time.perf_counter())
+t0 = time.perf_counter()
+result = compress(cfg, progress=progress)
+wall = time.perf_counter() - t0
+per_layer = [b - a for a, b in zip([t0] + marks[:-1], marks)]
+gpu = torch.cuda.max_memory_allocated() if torch.cuda.is_available() and cfg.device.startswith("cuda") else 0
+print("RESULT " + json.dumps({"wall_s": wall, "per_layer_s": per_layer, "peak_gpu_bytes": gpu,
+                             "peak_host_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
+                             "measured_flops": result.plan["measured_flops"],
+                             "in_process_s": result.plan["wall_time_s"]}))
+"""
+
+
+def run_one(folder: Path, config: dict) -> dict:
+    res = subprocess.run([sys.executable, "-c", CHILD, json.dumps(config)], capture_output=True, text=True,
+                         env={**os.environ, "HF_HUB_OFFLINE": "1"})
+    if res.returncode != 0:
+        raise SystemExit(f"compression of {folder} failed:\n{res.stderr[-4000:]}")
+    line = next(l for l in res.stdout.splitlines() if l.startswith("RESULT "))
+    return json.loads(line[len("RESULT "):])
+
+
+def fit_and_extrapolate(rows: list[dict]) -> dict | None:
+    """Per-layer seconds ≈ a + b · layer parameters (least squares over the measured shapes,
+    streamed runs excluded: they add disk reads the in-RAM runs do not have)."""
+    pts = [(r["layer_params"], r["median_layer_s"]) for r in rows if not r["offload_dir"]]
+    if len({p for p, _ in pts}) < 2:
+        return None
+    n = len(pts)
+    mx, my = sum(p for p, _ in pts) / n, sum(t for _, t in pts) / n
+    b = sum((p - mx) * (t - my) for p, t in pts) / sum((p - mx) ** 2 for p, _ in pts)
+    a = my - b * mx
+    hidden, inter, layers, heads, kv, _ = LLAMA2_70B
+    p70 = layer_params(hidden, inter, heads, kv)
+    per_layer = a + b * p70
+    return {"model": "seconds per layer = a + b * layer params", "a_s": a, "b_s_per_param": b,
+            "llama2_70b_layer_params": p70, "llama2_70b_per_layer_s": per_layer,
+            "llama2_70b_total_min": per_layer * layers / 60}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--checkpoint", action="append", default=[], help="real checkpoint folder(s) instead of random shapes")
+    ap.add_argument("--flops", type=float, default=0.58)
+    ap.add_argument("--dtype", default="bfloat16")
+    ap.add_argument("--device", default=None, help="default: cuda (cpu with --smoke and no GPU)")
+    ap.add_argument("--work", default=None, help="folder for the random checkpoints and offload dirs (default: a temp dir)")
+    ap.add_argument("--smoke", action="store_true", help="tiny shapes and few tokens: exercises the script anywhere")
+    ap.add_argument("--results", default=str(RESULTS), help="where compress_gpu.{md,json} go")
+    args = ap.parse_args()
+
+    import torch
+
+    device = args.device or ("cuda" if torch.cuda.is_available() or not args.smoke else "cpu")
+    if device.startswith("cuda") and not torch.cuda.is_available():
+        raise SystemExit("no CUDA device: this benchmark measures GPU compression (use --smoke to check the script)")
+    dtype = getattr(torch, args.dtype)
+    work = Path(args.work or tempfile.mkdtemp(prefix="rana-gpu-bench-"))
+    calib = dict(calib_tokens=1024, seq_len=64, search_tokens=128, fit_sample_tokens=128) if args.smoke else {}
+
+    targets = [(Path(c).name, Path(c), None) for c in args.checkpoint] or \
+              [(name, work / name, shape) for name, shape in (SMOKE_SHAPES if args.smoke else SHAPES).items()]
+    rows = []
+    for name, folder, shape in targets:
+        if shape is not None and not (folder / "config.json").exists():
+            t0 = time.perf_counter()
+            build_random(folder, shape, device, dtype)
+            print(f"{name}: random checkpoint built in {time.perf_counter() - t0:.0f} s", flush=True)
+        cfg = json.loads((folder / "config.json").read_text())
+        params = layer_params(cfg["hidden_size"], cfg["intermediate_size"], cfg["num_attention_heads"],
+                              cfg.get("num_key_value_heads") or cfg["num_attention_heads"])
+        for offload in (False, True):
+            config = dict(model=str(folder), flops=args.flops, dtype=args.dtype, device=device, **calib)
+            if offload:
+                config["offload_dir"] = str(work / f"{name}-offload")
+            r = run_one(folder, config)
+            per = sorted(r["per_layer_s"])
+            rows.append({"model": name, "offload_dir": offload, "layers": cfg["num_hidden_layers"],
+                         "hidden": cfg["hidden_size"], "intermediate": cfg["intermediate_size"],
+                         "kv_heads": cfg.get("num_key_value_heads"), "layer_params": params,
+                         "median_layer_s": per[len(per) // 2], **r})
+            print(json.dumps({k: v for k, v in rows[-1].items() if k != "per_layer_s"}), flush=True)
+    fit = fit_and_extrapolate(rows)
+    meta = {"device": torch.cuda.get_device_name() if device.startswith("cuda") else "cpu",
+            "torch": torch.__version__, "dtype": args.dtype, "flops": args.flops,
+            "calibration": "defaults (32768 tokens of the bundled corpus, seq 512)" if not args.smoke else f"smoke: {calib}",
+            "weights": "real checkpoint" if args.checkpoint else "random (built in the script)", "smoke": args.smoke}
+    out = Path(args.results)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "compress_gpu.json").write_text(json.dumps({"meta": meta, "rows": rows, "fit": fit}, indent=2) + "\n")
+    lines = ["| model | --offload-dir | layers | total (min) | median s/layer | peak GPU (GB) | peak host (GB) | measured F |",
+             "|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        lines.append(f"| {r['model']} | {'yes' if r['offload_dir'] else 'no'} | {r['layers']} | {r['wall_s'] / 60:.2f} | "
+                     f"{r['median_layer_s']:.2f} | {r['peak_gpu_bytes'] / 1e9:.1f} | {r['peak_host_bytes'] / 1e9:.1f} | "
+                     f"{r['measured_flops']:.4f} |")
+    text = ["# `rana compress` on one GPU", "", *lines, ""]
+    if fit:
+        text.append(f"Llama-2-70B extrapolation ({fit['model']}, fitted on the in-RAM runs): "
+                    f"{fit['llama2_70b_per_layer_s']:.1f} s/layer, {fit['llama2_70b_total_min']:.0f} min for 80 layers "
+                    f"(target ≤ {TARGET_MINUTES_70B} min).")
+    text += ["", f"Targets (Llama-2-7B shape): ≤ {TARGET_MINUTES_7B} min, ≤ {TARGET_GPU_GB_7B} GB peak GPU memory.", ""]
+    text += [f"- {k}: {v}" for k, v in meta.items()]
+    (out / "compress_gpu.md").write_text("\n".join(text) + "\n")
+    print("\n".join(text))
+
+
+if __name__ == "__main__":
+    main()
