@@ -129,6 +129,10 @@ def register(app: typer.Typer) -> None:
             if not is_rana_dir(r):
                 resolve(r)  # fail fast on an unknown model
         lim = _limit(limit)
+        from rana.paths import check_output_file, local_inputs, model_inputs
+
+        check_output_file(json_out, [p for r in refs + ([dense] if dense else []) for p in model_inputs(r)]
+                          + local_inputs(*ppl_data), "--json")
 
         dense_cache: dict[str, tuple] = {}
 

@@ -745,6 +745,7 @@ class _Trainer:
     def check_paths(self) -> dict | None:
         """Validate --out / checkpoint dir; return the trainer state to resume from (or None)."""
         cfg, out = self.config, self.out
+        _check_no_input_overlap(cfg, out, self.ckpt_dir)
         if out is not None and out.exists():
             others = [p.name for p in out.iterdir() if p.name != CHECKPOINTS] if out.is_dir() else [out.name]
             if others and not cfg.overwrite:
@@ -1262,6 +1263,19 @@ def _merge(tr: _Trainer, model) -> nn.Module | None:
     if hasattr(model, "config"):
         model.config.use_cache = True
     return model.eval()
+
+
+def _check_no_input_overlap(cfg: FinetuneConfig, out: Path | None, ckpt_dir: Path | None) -> None:
+    """--out and --checkpoint-dir never overlap an input; --overwrite replaces only rana's own folders."""
+    from .paths import check_output, check_work_dir, local_inputs, model_inputs
+
+    inputs = model_inputs(cfg.source) + local_inputs(cfg.data, cfg.eval_data) + model_inputs(cfg.tokenizer)
+    inputs += model_inputs(cfg.dense_model)
+    if out is not None:
+        # existing folders without --overwrite: check_paths says what to do (resume / overwrite)
+        check_output(out, inputs, overwrite=True) if cfg.overwrite and not cfg.resume else check_work_dir(out, inputs, "--out")
+    if ckpt_dir is not None and cfg.checkpoint_dir:
+        check_work_dir(ckpt_dir, inputs, "--checkpoint-dir")
 
 
 def _write_output(tr: _Trainer, model, tokenizer, info, summary) -> Path:

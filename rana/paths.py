@@ -152,6 +152,19 @@ def check_work_dir(path: str | os.PathLike | None, inputs: Iterable[str | os.Pat
                                     f"finishes; choose a separate {option}")
 
 
+def check_output_file(path: str | os.PathLike | None, inputs: Iterable[str | os.PathLike], option: str) -> None:
+    """An output file (e.g. --json) must not replace an input nor a file inside an input folder
+    (a new file beside a model's files is fine)."""
+    if path is None:
+        return
+    p = Path(os.path.expanduser(str(path)))
+    for src in inputs:
+        a, b = _abs(p), _abs(src)
+        if a == b or b in a.parents and (p.exists() or p.is_symlink()) or a in b.parents:
+            raise UnsafeOutputError(f"{option} '{path}' would overwrite the input '{src}' (or a file in it); choose "
+                                    f"another {option} (nothing was written)")
+
+
 # ------------------------------------------------------------------------------ temp folders
 
 
@@ -221,4 +234,4 @@ def written_files(folder: Path) -> str:
 
 
 __all__ = ["UnsafeOutputError", "overlaps", "local_inputs", "model_inputs", "rana_output_kind", "check_no_overlap",
-           "check_output", "check_work_dir", "temp_prefix", "remove_stale_temps", "apply_umask", "written_files"]
+           "check_output", "check_output_file", "check_work_dir", "temp_prefix", "remove_stale_temps", "apply_umask", "written_files"]
