@@ -125,9 +125,13 @@ def register(app: typer.Typer) -> None:
             raise ValueError("--layer-errors runs on the first --ppl-data text: pass one")
         if seq_len < 2:
             raise ValueError(f"--seq-len must be at least 2, got {seq_len}")
+        from rana.io import check_folder
+
         for r in refs:
             if not is_rana_dir(r):
                 resolve(r)  # fail fast on an unknown model
+            else:
+                check_folder(r)  # a broken rana folder: one line before any work
         lim = _limit(limit)
         from rana.paths import check_output_file, local_inputs, model_inputs
 

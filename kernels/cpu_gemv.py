@@ -227,14 +227,19 @@ def _build(compiler: str, flags: tuple[str, ...], folder: Path, name: str) -> Pa
     return tmp / name
 
 
+def _library_name(compiler: str, flags: tuple[str, ...]) -> str:
+    """The cached library's file name: a hash of everything the build depends on."""
+    key = hashlib.sha256("\0".join([_SOURCE, compiler, *flags, platform.machine(), platform.node()]).encode())
+    return f"rana_cpu_gemv_{key.hexdigest()[:16]}.so"
+
+
 def _compile(compiler: str, flags: tuple[str, ...]) -> tuple[ctypes.CDLL, str]:
     """(the loaded library, a note) built with `flags`: from the private cache when its recorded hash
     matches, else compiled there (atomically: temp folder + rename of the library and its hash).
 
     Compiler errors propagate (the caller reports them). An unusable cache raises _UnsafeCache;
     an unwritable one falls back to a private temporary folder, removed once the library is loaded."""
-    key = hashlib.sha256("\0".join([_SOURCE, compiler, *flags, platform.machine(), platform.node()]).encode())
-    name = f"rana_cpu_gemv_{key.hexdigest()[:16]}.so"
+    name = _library_name(compiler, flags)
     try:
         folder = _private_cache()
     except OSError:

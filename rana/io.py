@@ -239,6 +239,16 @@ def read_meta(path: Path) -> dict:
     return meta
 
 
+def check_folder(path: Path | str) -> None:
+    """The cheap part of `load`'s checks (rana_config.json schema, weight index and file headers),
+    for commands that validate every input before the work starts."""
+    from .loading import ModelLoadError
+    from .weightfiles import check_safetensors_folder
+
+    read_meta(Path(path))
+    check_safetensors_folder(Path(path), error=ModelLoadError)
+
+
 def check_thresholds(model: nn.Module, specs: list[dict], path: Path) -> None:
     """Every loaded threshold is a number and the one rana_config.json records (a NaN masks
     nothing or everything without a word; a changed one is not the model that was measured)."""
@@ -312,5 +322,5 @@ def load(path: Path | str, *, device: str = "cpu", dtype: torch.dtype | None = N
     return model.to(device), tokenizer
 
 
-__all__ = ["save", "load", "atomic_dir", "adapter_specs", "install_empty_adapters", "is_rana_dir",
+__all__ = ["save", "load", "check_folder", "read_meta", "atomic_dir", "adapter_specs", "install_empty_adapters", "is_rana_dir",
            "OutputExistsError", "column_major_linear"]
