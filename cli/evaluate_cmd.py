@@ -155,8 +155,8 @@ def register(app: typer.Typer) -> None:
         rows = []
         with LazyProgress("eval") as progress:
             for i, ref in enumerate(refs):
+                loaded = load_for_eval(ref, dtype=dtype, device=device)  # before the first bar: load errors stay one line
                 progress("models", i, len(refs))
-                loaded = load_for_eval(ref, dtype=dtype, device=device)
                 if loaded.tokenizer is None:
                     raise ValueError(f"'{ref}' has no tokenizer and plan.json names no model to take it from")
                 dense_model = dense_for(loaded) if (latency or layer_errors) else None

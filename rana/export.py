@@ -361,6 +361,7 @@ def export(src_dir: str | Path, out_dir: str | Path, *, overwrite: bool = False,
     if out.exists() and not overwrite:
         raise rana_io.OutputExistsError(f"output folder '{out}' already exists; choose another --out or pass --overwrite")
     check_output(out, [src], overwrite=overwrite)  # never the source, a folder holding it, or someone else's folder
+    rana_io.check_folder(src)  # rana_config.json, plan.json, config.json, weight headers: one line each
     meta = rana_io.read_meta(src)
     model, _tokenizer = rana_io.load(src)
     sources = render_sources(model.config, type(model))  # fails before anything is written

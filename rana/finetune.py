@@ -610,13 +610,12 @@ class _Source:
 
 
 def _inspect_source(config: FinetuneConfig) -> _Source:
-    from .io import PLAN, RANA_CONFIG, is_rana_dir
+    from .io import check_folder, is_rana_dir, read_meta, read_plan
 
     src = os.path.expanduser(config.source)
     if is_rana_dir(src):
-        meta = json.loads((Path(src) / RANA_CONFIG).read_text())
-        plan_path = Path(src) / PLAN
-        plan = json.loads(plan_path.read_text()) if plan_path.is_file() else None
+        check_folder(src)  # schema, index and headers: one line before any work
+        meta, plan = read_meta(Path(src)), read_plan(src)
         return _Source("rana", src, meta, plan, getattr(torch, meta.get("dtype", "float32")))
     if not config.full and config.lora_targets in (None, "adapters"):
         raise FinetuneError(
@@ -645,14 +644,17 @@ def _load_dense(reference: str, dtype: str = "float32"):
     (pre-tokenised data needs none)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from .loading import DTYPES, ModelLoadError, clear_gguf_quantizer, resolve
+    from .loading import DTYPES, ModelLoadError, check_loading_info, check_weight_files, clear_gguf_quantizer, resolve
 
-    src = resolve(reference)
+    src = resolve(reference, dense=True)
     kw = {"gguf_file": src.gguf_file} if src.gguf_file else {}
+    if not src.gguf_file and Path(src.path).is_dir():
+        check_weight_files(Path(src.path))
     try:
-        model = AutoModelForCausalLM.from_pretrained(src.path, dtype=DTYPES[dtype], **kw)
+        model, info = AutoModelForCausalLM.from_pretrained(src.path, dtype=DTYPES[dtype], output_loading_info=True, **kw)
     except OSError as e:
         raise ModelLoadError(f"could not load '{reference}': {str(e).splitlines()[0]}") from None
+    check_loading_info(reference, info)  # missing tensors would train from random weights
     clear_gguf_quantizer(model)
     model = model.to(DTYPES[dtype])
     try:

@@ -239,6 +239,22 @@ def read_meta(path: Path) -> dict:
     return meta
 
 
+def read_plan(path: Path | str) -> dict | None:
+    """plan.json of a rana folder (None when absent); one line naming the file when unreadable."""
+    from .loading import ModelLoadError
+
+    file = Path(path) / PLAN
+    if not file.is_file():
+        return None
+    try:
+        plan = json.loads(file.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, ValueError) as e:
+        raise ModelLoadError(f"'{file}' is unreadable ({str(e).splitlines()[0]}); restore it or delete it") from None
+    if not isinstance(plan, dict):
+        raise ModelLoadError(f"'{file}' is not a JSON object; restore it or delete it")
+    return plan
+
+
 def check_folder(path: Path | str) -> None:
     """The cheap part of `load`'s checks (rana_config.json schema, weight index and file headers),
     for commands that validate every input before the work starts."""
@@ -246,6 +262,14 @@ def check_folder(path: Path | str) -> None:
     from .weightfiles import check_safetensors_folder
 
     read_meta(Path(path))
+    read_plan(path)
+    config = Path(path) / "config.json"
+    try:
+        if not isinstance(json.loads(config.read_text(encoding="utf-8")), dict):
+            raise ValueError("not a JSON object")
+    except (OSError, UnicodeDecodeError, ValueError) as e:
+        raise ModelLoadError(f"'{config}' is unreadable ({str(e).splitlines()[0]}); restore it or re-create the "
+                             "folder with `rana compress`") from None
     check_safetensors_folder(Path(path), error=ModelLoadError)
 
 
@@ -322,5 +346,5 @@ def load(path: Path | str, *, device: str = "cpu", dtype: torch.dtype | None = N
     return model.to(device), tokenizer
 
 
-__all__ = ["save", "load", "check_folder", "read_meta", "atomic_dir", "adapter_specs", "install_empty_adapters", "is_rana_dir",
+__all__ = ["save", "load", "check_folder", "read_meta", "read_plan", "atomic_dir", "adapter_specs", "install_empty_adapters", "is_rana_dir",
            "OutputExistsError", "column_major_linear"]

@@ -69,6 +69,14 @@ def resolve(reference: str, *, dense: bool = False) -> ModelSource:
     if p.exists():
         if not p.is_dir() or not (p / "config.json").is_file():
             raise ModelLoadError(f"'{ref}' is not a model folder (no config.json inside)")
+        try:
+            import json
+
+            if not isinstance(json.loads((p / "config.json").read_text(encoding="utf-8")), dict):
+                raise ValueError("not a JSON object")
+        except (OSError, UnicodeDecodeError, ValueError) as e:
+            raise ModelLoadError(f"'{p / 'config.json'}' is unreadable ({str(e).splitlines()[0]}); "
+                                 "restore it or re-save the model") from None
         if dense:
             refuse_rana_folder(p)
         return ModelSource(str(p.resolve()), None, label=reference)
