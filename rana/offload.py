@@ -308,6 +308,12 @@ def load_lazy(reference: str | Path, *, dtype: str = "float32", with_tokenizer: 
     prefix = spec.layers + "."
     tied = _tied_keys(model)
     params = {k for k, _ in model.named_parameters(remove_duplicate=False)}
+    missing = sorted(k for k in params if k not in tied and k not in weights)
+    if missing:  # found now, not when the layer's turn comes after the earlier layers' work
+        from .loading import ModelLoadError
+
+        raise ModelLoadError(f"the checkpoint '{folder}' lacks {len(missing)} tensors its config.json needs (e.g. "
+                             f"{', '.join(missing[:3])}); it is incomplete or from another model: re-download or re-save it")
     keys = [k for k, _ in _named_tensors(model) if not k.startswith(prefix) and k not in tied
             and (k in params or k in weights)]  # buffers absent from the checkpoint keep their init
     for k, t in weights.load(keys, "cpu", DTYPES[dtype]).items():
