@@ -168,7 +168,7 @@ def _check_private(folder: Path) -> None:
         return  # no POSIX ownership to check (the native build is POSIX-only anyway)
     st = os.lstat(folder)
     if stat.S_ISLNK(st.st_mode) or not stat.S_ISDIR(st.st_mode):
-        raise _UnsafeCache(f"kernel cache '{folder}' is not a plain folder (a symlink?)")
+        raise _UnsafeCache(f"kernel cache '{folder}' is not a folder")
     if st.st_uid != uid:
         raise _UnsafeCache(f"kernel cache '{folder}' is owned by uid {st.st_uid}, not you (uid {uid})")
     if st.st_mode & 0o022:
@@ -186,6 +186,7 @@ def _private_cache() -> Path:
     OSError if it cannot be created."""
     folder = Path(os.path.abspath(_cache_dir()))
     folder.mkdir(mode=0o700, parents=True, exist_ok=True)
+    folder = Path(os.path.realpath(folder))  # check (and use) the folder a symlinked cache really is
     _check_private(folder)
     return folder
 
