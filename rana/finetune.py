@@ -1273,9 +1273,10 @@ def _check_no_input_overlap(cfg: FinetuneConfig, out: Path | None, ckpt_dir: Pat
 
     inputs = model_inputs(cfg.source) + local_inputs(cfg.data, cfg.eval_data) + model_inputs(cfg.tokenizer)
     inputs += model_inputs(cfg.dense_model)
-    if out is not None:
-        # existing folders without --overwrite: check_paths says what to do (resume / overwrite)
-        check_output(out, inputs, overwrite=True) if cfg.overwrite and not cfg.resume else check_work_dir(out, inputs, "--out")
+    if out is not None and cfg.overwrite and not cfg.resume:
+        check_output(out, inputs, overwrite=True)
+    elif out is not None:  # an existing folder without --overwrite: check_paths says what to do (resume / overwrite)
+        check_work_dir(out, inputs, "--out")
     if ckpt_dir is not None and cfg.checkpoint_dir:
         check_work_dir(ckpt_dir, inputs, "--checkpoint-dir")
 
