@@ -50,7 +50,8 @@ def tree_hash(folder: Path) -> str:
 
 def assert_one_line_error(res, needle: str) -> None:
     assert res.exit_code not in (0, None), res.output
-    assert "Traceback" not in res.output and res.exception is None or isinstance(res.exception, SystemExit), res.output
+    assert "Traceback" not in res.output, res.output
+    assert res.exception is None or isinstance(res.exception, SystemExit), repr(res.exception)  # not a crash
     lines = [line for line in res.output.splitlines() if line.strip()]
     assert len(lines) == 1 and lines[0].startswith("error:"), res.output
     assert needle in res.output, res.output
