@@ -71,8 +71,13 @@ def register(app: typer.Typer) -> None:
         from rana.config import CompressConfig
         from rana.io import OutputExistsError, save
 
+        from rana.paths import check_output, check_work_dir, local_inputs, model_inputs, written_files
+
         if out.exists() and not overwrite:
             raise OutputExistsError(f"output folder '{out}' already exists; choose another --out or pass --overwrite")
+        inputs = model_inputs(model) + local_inputs(dataset)
+        check_output(out, inputs, overwrite=overwrite)
+        check_work_dir(offload_dir, inputs, "--offload-dir", outputs=[out])
         if "." in out.name:
             console.print(f"[yellow]note:[/] '{out.name}' contains a '.', which breaks `rana export` remote-code loading; "
                           "prefer names without dots")
@@ -81,7 +86,7 @@ def register(app: typer.Typer) -> None:
                                 batch_size=batch_size, dtype=dtype, device=device, grid_step=grid_step, seed=seed,
                                 max_memory=max_memory, offload_dir=str(offload_dir) if offload_dir else None)
         config.validate()
-        resolve(model)  # fail fast on an unknown model, before any work starts
+        resolve(model, dense=True)  # fail fast on an unknown model (or a rana folder), before any work starts
         with LazyProgress(f"compressing {model}") as progress:
             result = run(config, progress=progress)
         from rana.distributed import is_main_process
@@ -93,6 +98,6 @@ def register(app: typer.Typer) -> None:
         stdout.print(plan_table(result.plan))
         p = result.plan
         stdout.print(f"target FLOPs {p['target_flops']:.3f}, measured {p['measured_flops']:.4f} on {p['measured_on']}; "
-                     f"wrote {out}/ (plan.json, rana_config.json, model.safetensors) in {p['wall_time_s']:.0f}s")
+                     f"wrote {out}/ ({written_files(out)}) in {p['wall_time_s']:.0f}s", highlight=False, soft_wrap=True)
         if abs(p["measured_flops"] - p["target_flops"]) > 0.01:
             console.print("[yellow]warning:[/] measured FLOPs differ from the target by more than 0.01")

@@ -125,10 +125,18 @@ def register(app: typer.Typer) -> None:
             raise ValueError("--layer-errors runs on the first --ppl-data text: pass one")
         if seq_len < 2:
             raise ValueError(f"--seq-len must be at least 2, got {seq_len}")
+        from rana.io import check_folder
+
         for r in refs:
             if not is_rana_dir(r):
                 resolve(r)  # fail fast on an unknown model
+            else:
+                check_folder(r)  # a broken rana folder: one line before any work
         lim = _limit(limit)
+        from rana.paths import check_output_file, local_inputs, model_inputs
+
+        check_output_file(json_out, [p for r in refs + ([dense] if dense else []) for p in model_inputs(r)]
+                          + local_inputs(*ppl_data), "--json")
 
         dense_cache: dict[str, tuple] = {}
 
@@ -147,8 +155,8 @@ def register(app: typer.Typer) -> None:
         rows = []
         with LazyProgress("eval") as progress:
             for i, ref in enumerate(refs):
+                loaded = load_for_eval(ref, dtype=dtype, device=device)  # before the first bar: load errors stay one line
                 progress("models", i, len(refs))
-                loaded = load_for_eval(ref, dtype=dtype, device=device)
                 if loaded.tokenizer is None:
                     raise ValueError(f"'{ref}' has no tokenizer and plan.json names no model to take it from")
                 dense_model = dense_for(loaded) if (latency or layer_errors) else None

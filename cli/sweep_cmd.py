@@ -79,7 +79,10 @@ def register(app: typer.Typer) -> None:
                              dtype=dtype, device=device, grid_step=grid_step, allocation=allocation, seed=seed,
                              save_models=save_models)
         config.validate()
-        resolve(model)  # fail fast on an unknown model
+        resolve(model, dense=True)  # fail fast on an unknown model (or a rana folder)
+        from rana.paths import check_output, local_inputs, model_inputs
+
+        check_output(out, model_inputs(model) + local_inputs(dataset, *ppl_data), resumable=("sweep folder",))
         try:
             with LazyProgress("sweep") as progress:
                 results = run_sweep(config, progress=progress, log=lambda msg: console.print(msg, highlight=False))

@@ -10,10 +10,15 @@ the rows ahead (short scattered rows are latency bound), in one call.
 
 The C source below is compiled once per machine with the system C compiler (``$CC``, else
 ``cc``; ``-O3 -march=native -fopenmp``, without OpenMP if that fails; a fraction of a second;
-the OpenMP runtime is torch's own libgomp when torch is loaded first) into a cache directory
-(``$RANA_KERNEL_CACHE``, else ``$XDG_CACHE_HOME/rana/kernels``, else ``~/.cache/rana/kernels``,
-else a temporary directory) and loaded with ctypes. No compiler, a failed build or
-``RANA_NATIVE_CPU=0``: :func:`native_kernel` returns None and callers use their torch path.
+the OpenMP runtime is torch's own libgomp when torch is loaded first) into a private per-user cache
+(``$RANA_KERNEL_CACHE``, else ``$XDG_CACHE_HOME/rana/kernels``, else ``~/.cache/rana/kernels``;
+created 0700) and loaded with ctypes. A library is loaded only from a folder no one else can write
+(owned by this user, not group/world writable, in parents others cannot change) and only when its
+sha256 matches the one recorded beside it at build time (``NAME.so.sha256``); otherwise it is
+rebuilt, and an unsafe cache folder is not used at all. An unwritable cache: the library is built
+in a private temporary folder for this process. No compiler, a failed build, an unsafe cache or
+``RANA_NATIVE_CPU=0``: :func:`native_kernel` returns None (:func:`native_status` says why) and
+callers use their torch path.
 
 Semantics are those of ``masked_gemv`` (see masked_gemv.py): fp32 scores ``v*v``,
 ``|v|*scale`` or ``|v|`` compared ``>= t`` exactly as torch does, fp32 accumulation. When more
@@ -30,6 +35,7 @@ import hashlib
 import os
 import platform
 import shutil
+import stat
 import struct
 import subprocess
 import tempfile
@@ -138,6 +144,10 @@ _FLAGS = ("-O3", "-march=native", "-shared", "-fPIC")
 _OPENMP_FLAG = "-fopenmp"  # dropped when the compiler cannot link OpenMP (single-threaded kernel)
 
 
+class _UnsafeCache(Exception):
+    """The cache folder could be written by someone else: nothing in it may be loaded."""
+
+
 def _cache_dir() -> Path:
     env = os.environ.get("RANA_KERNEL_CACHE")
     if env:
@@ -146,32 +156,115 @@ def _cache_dir() -> Path:
     return Path(base) / "rana" / "kernels"
 
 
-def _compile(compiler: str, flags: tuple[str, ...]) -> Path:
-    """Build the shared library into the cache (atomically: temp dir + rename); return its path.
+def _uid() -> int | None:
+    return os.getuid() if hasattr(os, "getuid") else None
 
-    Compiler errors propagate (the caller reports them); an unwritable cache falls back to the
-    temporary directory."""
+
+def _check_private(folder: Path) -> None:
+    """Raise _UnsafeCache unless `folder` is a real folder of this user that no one else can write,
+    below folders no one else can swap (others may write a parent only if it is sticky, like /tmp)."""
+    uid = _uid()
+    if uid is None:
+        return  # no POSIX ownership to check (the native build is POSIX-only anyway)
+    st = os.lstat(folder)
+    if stat.S_ISLNK(st.st_mode) or not stat.S_ISDIR(st.st_mode):
+        raise _UnsafeCache(f"kernel cache '{folder}' is not a folder")
+    if st.st_uid != uid:
+        raise _UnsafeCache(f"kernel cache '{folder}' is owned by uid {st.st_uid}, not you (uid {uid})")
+    if st.st_mode & 0o022:
+        raise _UnsafeCache(f"kernel cache '{folder}' is writable by others (mode {stat.S_IMODE(st.st_mode):o}); "
+                           "chmod 700 it")
+    for parent in folder.parents:
+        pst = os.stat(parent)
+        if pst.st_uid not in (0, uid) or (pst.st_mode & 0o022 and not pst.st_mode & stat.S_ISVTX):
+            raise _UnsafeCache(f"kernel cache '{folder}' lies in '{parent}', which others can change "
+                               f"(owner uid {pst.st_uid}, mode {stat.S_IMODE(pst.st_mode):o})")
+
+
+def _private_cache() -> Path:
+    """The per-user cache folder, created 0700; _UnsafeCache if others could plant a library there,
+    OSError if it cannot be created."""
+    folder = Path(os.path.abspath(_cache_dir()))
+    folder.mkdir(mode=0o700, parents=True, exist_ok=True)
+    folder = Path(os.path.realpath(folder))  # check (and use) the folder a symlinked cache really is
+    _check_private(folder)
+    return folder
+
+
+def _sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def _verified(lib: Path) -> bool:
+    """The cached library is a plain file of this user whose sha256 is the one recorded when it was built."""
+    record = lib.with_name(lib.name + ".sha256")
+    try:
+        for p in (lib, record):
+            st = os.lstat(p)
+            if not stat.S_ISREG(st.st_mode) or (_uid() is not None and st.st_uid != _uid()) or st.st_mode & 0o022:
+                return False
+        return record.read_text().strip() == _sha256(lib)
+    except OSError:
+        return False
+
+
+def _build(compiler: str, flags: tuple[str, ...], folder: Path, name: str) -> Path:
+    """Compile into a fresh private temp folder inside `folder`; return the library's path there,
+    with its sha256 recorded beside it (`NAME.sha256`)."""
+    tmp = Path(tempfile.mkdtemp(dir=folder, prefix=".build-"))
+    try:
+        src = tmp / "rana_cpu_gemv.c"
+        src.write_text(_SOURCE)
+        subprocess.run([compiler, *flags, "-o", str(tmp / name), str(src)], check=True,
+                       stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, timeout=120)
+        (tmp / (name + ".sha256")).write_text(_sha256(tmp / name) + "\n")
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return tmp / name
+
+
+def _library_name(compiler: str, flags: tuple[str, ...]) -> str:
+    """The cached library's file name: a hash of everything the build depends on."""
     key = hashlib.sha256("\0".join([_SOURCE, compiler, *flags, platform.machine(), platform.node()]).encode())
-    name = f"rana_cpu_gemv_{key.hexdigest()[:16]}.so"
-    for folder in (_cache_dir(), Path(tempfile.gettempdir()) / "rana_kernels"):
-        target = folder / name
-        if target.is_file():
-            return target
+    return f"rana_cpu_gemv_{key.hexdigest()[:16]}.so"
+
+
+def _compile(compiler: str, flags: tuple[str, ...]) -> tuple[ctypes.CDLL, str]:
+    """(the loaded library, a note) built with `flags`: from the private cache when its recorded hash
+    matches, else compiled there (atomically: temp folder + rename of the library and its hash).
+
+    Compiler errors propagate (the caller reports them). An unusable cache raises _UnsafeCache;
+    an unwritable one falls back to a private temporary folder, removed once the library is loaded."""
+    name = _library_name(compiler, flags)
+    try:
+        folder = _private_cache()
+    except OSError:
+        folder = None
+    if folder is None:  # read-only home etc.: a private folder for this process only
+        scratch = Path(tempfile.mkdtemp(prefix="rana-kernel-"))
         try:
-            folder.mkdir(parents=True, exist_ok=True)
-            tmp = Path(tempfile.mkdtemp(dir=folder))
-        except OSError:
-            continue  # unwritable: try the next directory
-        try:
-            src = tmp / "rana_cpu_gemv.c"
-            src.write_text(_SOURCE)
-            subprocess.run([compiler, *flags, "-o", str(tmp / name), str(src)], check=True,
-                           stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, timeout=120)
-            os.replace(tmp / name, target)
+            return ctypes.CDLL(str(_build(compiler, flags, scratch, name))), " (built in a private temp folder)"
         finally:
-            shutil.rmtree(tmp, ignore_errors=True)
-        return target
-    raise OSError("no writable directory for the compiled kernel")
+            shutil.rmtree(scratch, ignore_errors=True)
+    target = folder / name
+    note = ""
+    if target.exists() or target.is_symlink():
+        if _verified(target):
+            return ctypes.CDLL(str(target)), ""
+        note = " (rebuilt: the cached library failed its hash check)"  # never loaded: replaced below
+    built = _build(compiler, flags, folder, name)
+    try:
+        lib = ctypes.CDLL(str(built))  # what this process just compiled, before anyone can swap it
+        os.replace(built, target)
+        os.replace(built.with_name(name + ".sha256"), target.with_name(name + ".sha256"))
+    finally:
+        shutil.rmtree(built.parent, ignore_errors=True)
+    return lib, note
 
 
 @functools.lru_cache(maxsize=None)
@@ -188,7 +281,9 @@ def _load() -> tuple[object | None, str]:
     error = ""
     for flags in ((*_FLAGS, _OPENMP_FLAG), _FLAGS):
         try:
-            lib = ctypes.CDLL(str(_compile(compiler, flags)))
+            lib, note = _compile(compiler, flags)
+        except _UnsafeCache as exc:
+            return None, f"torch fallback (not loading the native kernel: {exc}; or set RANA_KERNEL_CACHE)"
         except (OSError, subprocess.SubprocessError) as exc:
             detail = (getattr(exc, "stderr", b"") or b"").decode(errors="replace").strip().splitlines()
             error = f"{type(exc).__name__}: {detail[0] if detail else exc}"
@@ -198,7 +293,7 @@ def _load() -> tuple[object | None, str]:
         fn.argtypes = [p, p, i64, i64, i64, ctypes.c_float, ctypes.c_int, p, p, p, i64, p, ctypes.c_int]
         fn.restype = i64
         threading_note = "OpenMP" if _OPENMP_FLAG in flags else "single-threaded"
-        return fn, f"native ({os.path.basename(compiler)} {' '.join(flags[:2])}, {threading_note})"
+        return fn, f"native ({os.path.basename(compiler)} {' '.join(flags[:2])}, {threading_note}){note}"
     return None, f"torch fallback (native kernel build failed: {error[:200]})"
 
 

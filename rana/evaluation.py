@@ -69,9 +69,8 @@ def load_for_eval(reference: str | Path, *, dtype: str = "float32", device: str 
     reference = str(reference)
     if rana_io.is_rana_dir(reference):
         model, tokenizer = rana_io.load(reference, device=device, dtype=DTYPES.get(dtype) if dtype != "float32" else None)
-        plan_path = Path(reference) / rana_io.PLAN
-        plan = json.loads(plan_path.read_text()) if plan_path.is_file() else None
-        meta = json.loads((Path(reference) / rana_io.RANA_CONFIG).read_text())
+        plan = rana_io.read_plan(reference)
+        meta = rana_io.read_meta(Path(reference))
         loaded = LoadedModel(model, tokenizer, reference, "rana", plan,
                              {k: v for k, v in meta.items() if k in ("method", "compress_config", "laurel")})
         if tokenizer is None and loaded.dense_reference:

@@ -343,18 +343,6 @@ def _rana_version() -> str | None:
         return None
 
 
-def _normal_permissions(folder: Path) -> None:
-    """mkdtemp folders (and some writers' files) are private; give the export the usual umask modes."""
-    import os
-
-    umask = os.umask(0)
-    os.umask(umask)
-    folder.chmod(0o777 & ~umask)
-    for f in folder.iterdir():
-        if f.is_file():
-            f.chmod(0o666 & ~umask)
-
-
 def export(src_dir: str | Path, out_dir: str | Path, *, overwrite: bool = False,
            max_shard_size: int | str = "2GB") -> Path:
     """Write the rana folder `src_dir` as a plain-transformers remote-code folder `out_dir`.
@@ -364,16 +352,17 @@ def export(src_dir: str | Path, out_dir: str | Path, *, overwrite: bool = False,
     when `out_dir` exists and `overwrite` is False.
     """
     from . import io as rana_io
+    from .paths import check_output
 
     src, out = Path(src_dir), Path(out_dir)
     _check_out_name(out)
     if not rana_io.is_rana_dir(src):
         raise ValueError(f"'{src}' is not a rana folder (no {rana_io.RANA_CONFIG}); produce one with `rana compress`")
-    if out.resolve() == src.resolve():
-        raise ValueError("--out must differ from the source folder")
     if out.exists() and not overwrite:
         raise rana_io.OutputExistsError(f"output folder '{out}' already exists; choose another --out or pass --overwrite")
-    meta = json.loads((src / rana_io.RANA_CONFIG).read_text())
+    check_output(out, [src], overwrite=overwrite)  # never the source, a folder holding it, or someone else's folder
+    rana_io.check_folder(src)  # rana_config.json, plan.json, config.json, weight headers: one line each
+    meta = rana_io.read_meta(src)
     model, _tokenizer = rana_io.load(src)
     sources = render_sources(model.config, type(model))  # fails before anything is written
     with rana_io.atomic_dir(out, overwrite=overwrite) as tmp:
@@ -385,7 +374,6 @@ def export(src_dir: str | Path, out_dir: str | Path, *, overwrite: bool = False,
             (tmp / name).write_text(text, encoding="utf-8")
         config = exported_config(meta, model.config, type(model))
         (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")
-        _normal_permissions(tmp)
     return out
 
 

@@ -610,13 +610,12 @@ class _Source:
 
 
 def _inspect_source(config: FinetuneConfig) -> _Source:
-    from .io import PLAN, RANA_CONFIG, is_rana_dir
+    from .io import check_folder, is_rana_dir, read_meta, read_plan
 
     src = os.path.expanduser(config.source)
     if is_rana_dir(src):
-        meta = json.loads((Path(src) / RANA_CONFIG).read_text())
-        plan_path = Path(src) / PLAN
-        plan = json.loads(plan_path.read_text()) if plan_path.is_file() else None
+        check_folder(src)  # schema, index and headers: one line before any work
+        meta, plan = read_meta(Path(src)), read_plan(src)
         return _Source("rana", src, meta, plan, getattr(torch, meta.get("dtype", "float32")))
     if not config.full and config.lora_targets in (None, "adapters"):
         raise FinetuneError(
@@ -645,14 +644,17 @@ def _load_dense(reference: str, dtype: str = "float32"):
     (pre-tokenised data needs none)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from .loading import DTYPES, ModelLoadError, clear_gguf_quantizer, resolve
+    from .loading import DTYPES, ModelLoadError, check_loading_info, check_weight_files, clear_gguf_quantizer, resolve
 
-    src = resolve(reference)
+    src = resolve(reference, dense=True)
     kw = {"gguf_file": src.gguf_file} if src.gguf_file else {}
+    if not src.gguf_file and Path(src.path).is_dir():
+        check_weight_files(Path(src.path))
     try:
-        model = AutoModelForCausalLM.from_pretrained(src.path, dtype=DTYPES[dtype], **kw)
+        model, info = AutoModelForCausalLM.from_pretrained(src.path, dtype=DTYPES[dtype], output_loading_info=True, **kw)
     except OSError as e:
         raise ModelLoadError(f"could not load '{reference}': {str(e).splitlines()[0]}") from None
+    check_loading_info(reference, info)  # missing tensors would train from random weights
     clear_gguf_quantizer(model)
     model = model.to(DTYPES[dtype])
     try:
@@ -745,6 +747,7 @@ class _Trainer:
     def check_paths(self) -> dict | None:
         """Validate --out / checkpoint dir; return the trainer state to resume from (or None)."""
         cfg, out = self.config, self.out
+        _check_no_input_overlap(cfg, out, self.ckpt_dir)
         if out is not None and out.exists():
             others = [p.name for p in out.iterdir() if p.name != CHECKPOINTS] if out.is_dir() else [out.name]
             if others and not cfg.overwrite:
@@ -1262,6 +1265,20 @@ def _merge(tr: _Trainer, model) -> nn.Module | None:
     if hasattr(model, "config"):
         model.config.use_cache = True
     return model.eval()
+
+
+def _check_no_input_overlap(cfg: FinetuneConfig, out: Path | None, ckpt_dir: Path | None) -> None:
+    """--out and --checkpoint-dir never overlap an input; --overwrite replaces only rana's own folders."""
+    from .paths import check_output, check_work_dir, local_inputs, model_inputs
+
+    inputs = model_inputs(cfg.source) + local_inputs(cfg.data, cfg.eval_data) + model_inputs(cfg.tokenizer)
+    inputs += model_inputs(cfg.dense_model)
+    if out is not None and cfg.overwrite and not cfg.resume:
+        check_output(out, inputs, overwrite=True)
+    elif out is not None:  # an existing folder without --overwrite: check_paths says what to do (resume / overwrite)
+        check_work_dir(out, inputs, "--out")
+    if ckpt_dir is not None and cfg.checkpoint_dir:
+        check_work_dir(ckpt_dir, inputs, "--checkpoint-dir")
 
 
 def _write_output(tr: _Trainer, model, tokenizer, info, summary) -> Path:

@@ -54,8 +54,9 @@ def _package_file(spec: str) -> ModelSource:
     return ModelSource(path=folder, gguf_file=filename)
 
 
-def resolve(reference: str) -> ModelSource:
-    """Alias → hub id / package file; `.gguf` path → folder + file; folder or hub id as is."""
+def resolve(reference: str, *, dense: bool = False) -> ModelSource:
+    """Alias → hub id / package file; `.gguf` path → folder + file; folder or hub id as is.
+    `dense`: the caller needs an uncompressed model, so a rana folder is refused (not re-initialised)."""
     ref = ALIASES.get(reference.lower(), reference)
     if ref.startswith("package:"):
         src = _package_file(ref)
@@ -68,12 +69,48 @@ def resolve(reference: str) -> ModelSource:
     if p.exists():
         if not p.is_dir() or not (p / "config.json").is_file():
             raise ModelLoadError(f"'{ref}' is not a model folder (no config.json inside)")
+        try:
+            import json
+
+            if not isinstance(json.loads((p / "config.json").read_text(encoding="utf-8")), dict):
+                raise ValueError("not a JSON object")
+        except (OSError, UnicodeDecodeError, ValueError) as e:
+            raise ModelLoadError(f"'{p / 'config.json'}' is unreadable ({str(e).splitlines()[0]}); "
+                                 "restore it or re-save the model") from None
+        if dense:
+            refuse_rana_folder(p)
         return ModelSource(str(p.resolve()), None, label=reference)
     if ref.count("/") != 1 or ref.startswith((".", "/")):
         raise ModelLoadError(
             f"unknown model '{reference}': not an alias ({', '.join(sorted(ALIASES))}), a local folder, "
             "a .gguf file, or a hub id of the form owner/name")
     return ModelSource(ref, None, label=reference)
+
+
+def refuse_rana_folder(folder: Path) -> None:
+    """A rana folder where a dense model is expected: say so (transformers would silently give its
+    adapter weights up and initialise the stock projections at random)."""
+    if not (folder / "rana_config.json").is_file():
+        return
+    origin = ""
+    try:
+        import json
+
+        plan = json.loads((folder / "plan.json").read_text())
+        model = plan.get("model") or (plan.get("config") or {}).get("model")
+        origin = f" (it was compressed from '{model}')" if model else ""
+    except Exception:  # noqa: BLE001 - the hint is optional
+        pass
+    raise ModelLoadError(f"'{folder}' is a rana folder (a compressed model), not a dense model{origin}: pass the dense "
+                         "model here; rana folders go to `rana eval`, `rana finetune` and `rana export`")
+
+
+def check_weight_files(folder: Path) -> None:
+    """Refuse a local checkpoint whose safetensors index names files outside the folder, or whose
+    safetensors files are truncated or corrupt, with one line naming the file (before loading)."""
+    from .weightfiles import check_safetensors_folder
+
+    check_safetensors_folder(folder, error=ModelLoadError)
 
 
 def clear_gguf_quantizer(model) -> None:
@@ -87,21 +124,40 @@ def clear_gguf_quantizer(model) -> None:
         model.is_quantized = False
 
 
+def check_loading_info(reference: str, info: dict) -> None:
+    """Missing tensors would be initialised at random and unexpected ones dropped: refuse both."""
+    missing, unexpected = sorted(info.get("missing_keys") or ()), sorted(info.get("unexpected_keys") or ())
+    mismatched = [k[0] if isinstance(k, tuple) else k for k in info.get("mismatched_keys") or ()]
+    if missing or unexpected or mismatched:
+        parts = [f"{len(v)} {what} (e.g. {', '.join(v[:3])})" for what, v in
+                 (("missing", missing), ("unexpected", unexpected), ("of the wrong shape", mismatched)) if v]
+        raise ModelLoadError(f"the checkpoint '{reference}' does not match its config.json: tensors "
+                             f"{'; '.join(parts)}; it is incomplete or from another model: re-download or re-save it")
+
+
 def load_model(reference: str, *, dtype: str = "float32", device: str = "cpu"):
     """(model, tokenizer, source) for a reference; the model in eval mode on `device`."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     if dtype not in DTYPES:
         raise ModelLoadError(f"unknown dtype '{dtype}' (choose from {', '.join(DTYPES)})")
-    src = resolve(reference)
+    src = resolve(reference, dense=True)
     kw = {"gguf_file": src.gguf_file} if src.gguf_file else {}
+    if not src.gguf_file and Path(src.path).is_dir():
+        check_weight_files(Path(src.path))
     try:
         tokenizer = AutoTokenizer.from_pretrained(src.path, **kw)
-        model = AutoModelForCausalLM.from_pretrained(src.path, dtype=DTYPES[dtype], **kw)
+        model, info = AutoModelForCausalLM.from_pretrained(src.path, dtype=DTYPES[dtype], output_loading_info=True, **kw)
     except OSError as e:
         offline = os.environ.get("HF_HUB_OFFLINE") == "1"
         hint = " (HF_HUB_OFFLINE=1 is set: only local files and cached models can load)" if offline else ""
         raise ModelLoadError(f"could not load '{reference}': {str(e).splitlines()[0]}{hint}") from None
+    except Exception as e:  # safetensors' own error type for unreadable files fetched from the hub
+        if type(e).__name__ != "SafetensorError":
+            raise
+        raise ModelLoadError(f"could not load '{reference}': its weights are unreadable ({str(e).splitlines()[0]}); "
+                             "re-download or re-save the model") from None
+    check_loading_info(reference, info)
     clear_gguf_quantizer(model)
     if src.gguf_file and DTYPES[dtype] != torch.float32:
         model = model.to(DTYPES[dtype])

@@ -204,14 +204,22 @@ class LazyWeights:
         self.folder = Path(folder)
         index = self.folder / INDEX
         if index.exists():
-            weight_map = json.loads(index.read_text())["weight_map"]
+            from .loading import ModelLoadError
+            from .weightfiles import check_safetensors_folder, index_shards
+
+            weight_map = index_shards(self.folder, error=ModelLoadError)  # no file outside the folder
+            check_safetensors_folder(self.folder, error=ModelLoadError)
         else:
             files = sorted(self.folder.glob("*.safetensors"))
             if not files:
                 raise ValueError(f"'{folder}' has no .safetensors weights; streaming layers from disk needs them "
                                  "(re-save the model with save_pretrained, or drop --offload-dir/--max-memory)")
             weight_map = {}
+            from .loading import ModelLoadError
+            from .weightfiles import check_safetensors_file
+
             for f in files:
+                check_safetensors_file(f, error=ModelLoadError)
                 with safe_open(str(f), framework="pt") as st:
                     weight_map.update({k: f.name for k in st.keys()})
         self.files = {}  # model key -> (file, checkpoint key)
@@ -268,7 +276,7 @@ def checkpoint_folder(reference: str) -> Path:
     """Local folder with config + safetensors for a model reference (alias, folder, hub id)."""
     from .loading import ModelLoadError, resolve
 
-    src = resolve(reference)
+    src = resolve(reference, dense=True)
     if src.gguf_file:
         raise ModelLoadError(f"'{reference}' is a GGUF file: streaming layers from disk needs safetensors weights; "
                              "drop --offload-dir/--max-memory or convert the model with save_pretrained")
@@ -301,6 +309,12 @@ def load_lazy(reference: str | Path, *, dtype: str = "float32", with_tokenizer: 
     prefix = spec.layers + "."
     tied = _tied_keys(model)
     params = {k for k, _ in model.named_parameters(remove_duplicate=False)}
+    missing = sorted(k for k in params if k not in tied and k not in weights)
+    if missing:  # found now, not when the layer's turn comes after the earlier layers' work
+        from .loading import ModelLoadError
+
+        raise ModelLoadError(f"the checkpoint '{folder}' lacks {len(missing)} tensors its config.json needs (e.g. "
+                             f"{', '.join(missing[:3])}); it is incomplete or from another model: re-download or re-save it")
     keys = [k for k, _ in _named_tensors(model) if not k.startswith(prefix) and k not in tied
             and (k in params or k in weights)]  # buffers absent from the checkpoint keep their init
     for k, t in weights.load(keys, "cpu", DTYPES[dtype]).items():
@@ -364,8 +378,12 @@ def load_for_compression(config):
 
     from .loading import load_model, resolve
 
+    from .paths import check_work_dir, local_inputs, model_inputs
+
+    check_work_dir(getattr(config, "offload_dir", None), model_inputs(config.model) + local_inputs(config.dataset),
+                   "--offload-dir")
     if getattr(config, "max_memory", None) or getattr(config, "offload_dir", None):
-        src = resolve(config.model)
+        src = resolve(config.model, dense=True)
         if not src.gguf_file:
             folder = checkpoint_folder(config.model)
             model_config = AutoConfig.from_pretrained(folder)

@@ -340,6 +340,10 @@ def describe_point(p: dict, texts: list[str]) -> str:
 
 def run_sweep(config: SweepConfig, *, progress: Progress | None = None, log: Log | None = None) -> dict:
     """Run (or resume) a sweep and write its outputs under `config.out`; returns results.json's content."""
+    from .paths import check_output, local_inputs, model_inputs
+
+    check_output(config.out, model_inputs(config.model) + local_inputs(config.dataset, *config.ppl_data),
+                 resumable=("sweep folder",))
     return Sweep(config, progress=progress, log=log).run()
 
 

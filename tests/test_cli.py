@@ -46,7 +46,7 @@ def test_compress_writes_folder_plan_and_loads(model_dir, calib_file, tmp_path):
     meta = json.loads((out / "rana_config.json").read_text())
     assert meta["adapters"] and all("threshold" in a or a["type"] == "rank_slice" for a in meta["adapters"])
     assert _snapshot(model_dir) == before  # the input checkpoint is never written to
-    assert not list(tmp_path.glob(".out.tmp-*"))  # no temp leftovers
+    assert not list(tmp_path.glob(".out.rana-*"))  # no temp leftovers
 
     import rana.io
     model, tok = rana.io.load(out)

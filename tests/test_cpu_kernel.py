@@ -215,4 +215,4 @@ def test_builds_once_into_the_cache(native, tmp_path):
         assert out.returncode == 0, out.stderr
     built = list(cache.glob("*.so"))
     assert len(built) == 1, built
-    assert not [p for p in cache.iterdir() if p.suffix != ".so"]  # no temp leftovers
+    assert sorted(p.name for p in cache.iterdir()) == [built[0].name, built[0].name + ".sha256"]  # no temp leftovers
