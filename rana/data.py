@@ -106,16 +106,76 @@ def _data_files(path: Path) -> dict[str, list[str]]:
 
 
 def _load_local(path: Path, text_column: str) -> list[str]:
-    """Read local files through HF `datasets` packaged builders (text/json/parquet)."""
-    import datasets
+    """Read local files through HF `datasets` packaged builders (text/json/parquet).
 
+    Text files are checked to be UTF-8 first (the builder would fail deep inside with no file
+    name); any other failure to read names the file that caused it."""
     texts: list[str] = []
     for builder, files in _data_files(path).items():
-        kwargs = {"sample_by": "document"} if builder == "text" else {}
-        ds = datasets.load_dataset(builder, data_files=files, split="train", **kwargs)
+        if builder == "text":
+            for f in files:
+                check_utf8_text(Path(f))
+        ds = _read_files(builder, files)
         column = "text" if builder == "text" else text_column
         texts.extend(_column(ds, column, f"{path} ({builder} files)"))
     return texts
+
+
+_FORMAT_HINT = {"text": "a UTF-8 text file", "json": "JSON Lines: one JSON object per line, each with the text column",
+                "parquet": "a Parquet file (written by pandas / pyarrow)"}
+
+
+def _read_files(builder: str, files: list[str]):
+    import datasets
+
+    kwargs = {"sample_by": "document"} if builder == "text" else {}
+    try:
+        return datasets.load_dataset(builder, data_files=files, split="train", **kwargs)
+    except Exception as exc:  # noqa: BLE001 - datasets/pyarrow raise many unrelated types for a bad file
+        culprit = files[0]
+        if len(files) > 1:  # find the file that fails on its own (only on this error path)
+            for f in files:
+                try:
+                    datasets.load_dataset(builder, data_files=[f], split="train", **kwargs)
+                except Exception:  # noqa: BLE001
+                    culprit = f
+                    break
+        raise DataError(f"could not read '{culprit}' as {_FORMAT_HINT[builder]}: {root_cause(exc)}; fix or "
+                        "remove the file") from None
+
+
+def root_cause(exc: BaseException) -> str:
+    """The first line of the innermost cause of `exc` (library wrappers say little)."""
+    seen = set()
+    while id(exc) not in seen and (exc.__cause__ or exc.__context__) is not None:
+        seen.add(id(exc))
+        exc = exc.__cause__ or exc.__context__
+    text = str(exc).strip()
+    return text.splitlines()[0] if text else type(exc).__name__
+
+
+def check_utf8_text(path: Path, chunk: int = 1 << 20) -> None:
+    """Refuse a file that is not UTF-8 text (binary data, another encoding), naming the byte offset."""
+    import codecs
+
+    decoder = codecs.getincrementaldecoder("utf-8")()
+    offset = 0
+    with open(path, "rb") as fh:
+        while True:
+            block = fh.read(chunk)
+            pending = len(decoder.getstate()[0])  # bytes of a character split across reads
+            try:
+                text = decoder.decode(block, final=not block)
+            except UnicodeDecodeError as e:
+                raise DataError(f"'{path}' is not UTF-8 text (byte {offset - pending + e.start} "
+                                "cannot be decoded): convert it to UTF-8 (e.g. `iconv -f latin1 -t utf-8`) or pass "
+                                "another file") from None
+            if "\x00" in text:
+                raise DataError(f"'{path}' looks binary (it contains NUL bytes), not text: pass a .txt/.jsonl/"
+                                ".parquet file of text")
+            if not block:
+                return
+            offset += len(block)
 
 
 def _load_hub(name: str, config: str | None, split: str, text_column: str) -> list[str]:
