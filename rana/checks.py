@@ -40,13 +40,15 @@ def _nearest_existing(path: Path) -> Path:
     return p
 
 
-def check_writable_dir(path: str | Path, option: str = "--out") -> None:
+def check_writable_dir(path: str | Path, option: str = "--out", *, inside: bool = False) -> None:
     """`path` is a folder rana can create (or replace): its nearest existing ancestor is a folder in
-    which a file can really be made (permissions, read-only mounts, /proc, a file in the way)."""
+    which a file can really be made (permissions, read-only mounts, /proc, a file in the way).
+    With `inside`, an existing `path` is written into (a resumable sweep folder), so it is probed."""
     path = Path(os.path.expanduser(str(path)))
     if path.exists() and not path.is_dir():
         raise InputError(f"{option} '{path}' is a file, not a folder: choose another {option}")
-    parent = _nearest_existing(path.parent if not path.exists() else path)
+    # outputs are written beside `path`, then renamed into place
+    parent = path if inside and path.is_dir() else _nearest_existing(path.parent)
     if not parent.is_dir():
         raise InputError(f"{option} '{path}' cannot be created: '{parent}' is a file, not a folder; choose another "
                          f"{option}")

@@ -31,6 +31,7 @@ trainable parameters only (the frozen base comes from the source folder again).
 """
 from __future__ import annotations
 
+import errno
 import gc
 import hashlib
 import json
@@ -526,13 +527,20 @@ def _dense_weights(model: nn.Module, reference: str, device, dtype) -> dict:
 
 
 def _load_token_ids(path: Path, vocab_size: int | None) -> torch.Tensor:
-    if path.suffix == ".npy":
-        import numpy as np
+    try:
+        if path.suffix == ".npy":
+            import numpy as np
 
-        ids = torch.from_numpy(np.load(path)).long()
-    else:
-        obj = torch.load(path, map_location="cpu", weights_only=True)
-        ids = torch.as_tensor(obj).long()
+            ids = torch.from_numpy(np.load(path)).long()
+        else:
+            obj = torch.load(path, map_location="cpu", weights_only=True)
+            ids = torch.as_tensor(obj).long()
+    except Exception as e:  # noqa: BLE001 - numpy/torch/pickle raise many types for a damaged file
+        from .data import root_cause
+
+        kind = "a NumPy array" if path.suffix == ".npy" else "a tensor saved with torch.save"
+        raise DataError(f"could not read token ids from '{path}' ({root_cause(e)}): it must hold {kind} of "
+                        "integer token ids") from None
     if ids.dim() != 1:
         ids = ids.reshape(-1)
     if ids.numel() == 0:
@@ -1123,7 +1131,14 @@ class _Trainer:
         if self.is_main and tmp.exists():
             shutil.rmtree(tmp)
         acc.wait_for_everyone()
-        acc.save_state(str(tmp))
+        try:
+            acc.save_state(str(tmp))
+        except Exception as e:
+            if self.is_main:
+                shutil.rmtree(tmp, ignore_errors=True)
+            if _device_full(self.ckpt_dir):  # torch.save reports a full disk only as a stream-position mismatch
+                raise OSError(errno.ENOSPC, "No space left on device", str(tmp)) from e
+            raise
         acc.wait_for_everyone()
         if self.is_main:
             state = {"step": step, "lr": lr, "config_hash": self.config.config_hash(), "config": self.config.to_dict(),
@@ -1162,6 +1177,13 @@ def _keep_trainable_only(models, weights, output_dir) -> None:
 def _checkpoints(folder: Path) -> list[Path]:
     found = [p for p in folder.glob(f"{CKPT_PREFIX}*") if (p / TRAINER_STATE).is_file()]
     return sorted(found, key=lambda p: int(p.name[len(CKPT_PREFIX):]) if p.name[len(CKPT_PREFIX):].isdigit() else -1)
+
+
+def _device_full(folder: Path) -> bool:
+    try:
+        return os.statvfs(folder).f_bavail == 0
+    except OSError:
+        return False
 
 
 def _file_digest(path: Path) -> str:
@@ -1220,9 +1242,12 @@ def finetune(config: FinetuneConfig, progress: Callable[[str, int, int], None] |
     resume_state = tr.check_paths()
     if resume_state is not None:
         tr.records = list(resume_state.get("log", []))
-    from .checks import check_seq_len
+    from .checks import check_available, check_seq_len
 
     check_seq_len(tr.source.path, config.seq_len)
+    for ref in (config.tokenizer, config.dense_model if config.self_guided_frac > 0 else None):
+        if ref is not None:
+            check_available(ref)
 
     # data (the tokenizer / vocabulary comes from the source; loading it is cheap next to training)
     model_probe_tok, vocab = _probe_tokenizer(tr.source, config)
