@@ -129,11 +129,11 @@ def check_inputs(*models: str, seq_len: int | None = None, out=None, json_out=No
     for ref in models:
         if not is_rana_dir(ref):
             check_available(ref)
+    for source in data:
+        check_source(source, data_option)
     for ref in models:
         if seq_len is not None:
             check_seq_len(ref, seq_len)
-    for source in data:
-        check_source(source, data_option)
     if out is not None:
         check_writable_dir(out, "--out", inside=out_inside)
     if offload_dir is not None:

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import gc
 import json
+import os
 from pathlib import Path
 from typing import List, Optional
 
@@ -205,7 +206,12 @@ def register(app: typer.Typer) -> None:
                 print_wide(stdout, layer_error_table(r))
         if json_out is not None:
             json_out.parent.mkdir(parents=True, exist_ok=True)
-            json_out.write_text(json.dumps(results, indent=2, default=float) + "\n")
+            tmp = json_out.with_name(f".{json_out.name}.tmp-{os.getpid()}")  # a full disk leaves no half file
+            try:
+                tmp.write_text(json.dumps(results, indent=2, default=float) + "\n")
+                os.replace(tmp, json_out)
+            finally:
+                tmp.unlink(missing_ok=True)
             stdout.print(f"wrote {json_out}", highlight=False)
 
 
