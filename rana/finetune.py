@@ -1134,9 +1134,10 @@ class _Trainer:
         try:
             acc.save_state(str(tmp))
         except Exception as e:
+            full = _device_full(self.ckpt_dir)  # torch.save reports a full disk only as a stream-position mismatch
             if self.is_main:
                 shutil.rmtree(tmp, ignore_errors=True)
-            if _device_full(self.ckpt_dir):  # torch.save reports a full disk only as a stream-position mismatch
+            if full:
                 raise OSError(errno.ENOSPC, "No space left on device", str(tmp)) from e
             raise
         acc.wait_for_everyone()
@@ -1180,10 +1181,12 @@ def _checkpoints(folder: Path) -> list[Path]:
 
 
 def _device_full(folder: Path) -> bool:
+    """Nearly no space left where `folder` lives (a failed write that filled it has left a partial file)."""
     try:
-        return os.statvfs(folder).f_bavail == 0
+        st = os.statvfs(folder)
     except OSError:
         return False
+    return st.f_bavail * st.f_frsize < 64 * 2**20
 
 
 def _file_digest(path: Path) -> str:

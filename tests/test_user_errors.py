@@ -394,3 +394,20 @@ def test_cli_resume_warning_is_one_line(work, tmp_path):
     warning = [line for line in res.output.splitlines() if line.startswith("warning:")]
     assert len(warning) == 1 and newest.name in res.output
     assert json.loads((out / "finetune.json").read_text())["resumed_from_step"] == 2
+
+
+def test_full_disk_during_finetune_is_one_line_and_leaves_nothing(work, tmp_path):
+    """Checkpoints (torch.save hides ENOSPC behind a stream-position error) and the final weights on a
+    64 KiB tmpfs: one line, and no half-written folder to block the next run."""
+    disk = tmp_path / "disk"
+    disk.mkdir()
+    if os.geteuid() != 0 or subprocess.run(["mount", "-t", "tmpfs", "-o", "size=64k", "tmpfs", str(disk)],
+                                           capture_output=True).returncode:
+        pytest.skip("needs a tmpfs mount (root)")
+    try:
+        res = runner.invoke(app, ["finetune", str(work / "rana"), "--data", str(work / "calib.txt"),
+                                  "--out", str(disk / "ft"), *FT])
+        one_line_error(res, "no space left on device")
+        assert list(disk.iterdir()) == []
+    finally:
+        subprocess.run(["umount", str(disk)], capture_output=True)
