@@ -796,11 +796,12 @@ class _Trainer:
             check_writable_dir(out, "--out")
         if self.ckpt_dir is not None and self.ckpt_dir != (out / CHECKPOINTS if out is not None else None):
             check_writable_dir(self.ckpt_dir, "--checkpoint-dir")
+        default_dir = out is not None and self.ckpt_dir == out / CHECKPOINTS
         usable = None
-        if self.ckpt_dir is not None and self.ckpt_dir.is_dir() and not (cfg.overwrite and not cfg.resume):
+        if self.ckpt_dir is not None and self.ckpt_dir.is_dir() and (cfg.resume or (default_dir and not cfg.overwrite)):
             usable = self._newest_usable_checkpoint()
         if not cfg.resume:
-            if usable is not None:
+            if usable is not None:  # (an explicit --checkpoint-dir keeps what it holds; new checkpoints go beside)
                 raise FinetuneError(f"'{self.ckpt_dir}' holds checkpoints of an unfinished run (newest: {usable[0].name}): "
                                     "pass --resume to continue it, or --overwrite to start over")
             return None
@@ -858,8 +859,8 @@ class _Trainer:
             self.ckpt_dir.mkdir(parents=True, exist_ok=True)
             for stale in self.ckpt_dir.glob(f".tmp-{CKPT_PREFIX}*"):
                 shutil.rmtree(stale, ignore_errors=True)
-            if state is None:  # a fresh start: damaged checkpoints of an earlier attempt are of no use
-                for old in _checkpoints(self.ckpt_dir):
+            if state is None and self.out is not None and self.ckpt_dir == self.out / CHECKPOINTS:
+                for old in _checkpoints(self.ckpt_dir):  # a fresh start in OUT: only damaged ones can be left here
                     shutil.rmtree(old, ignore_errors=True)
             log_path = self.ckpt_dir / TRAIN_LOG
             if state is not None:
