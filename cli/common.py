@@ -28,6 +28,17 @@ def user_errors() -> tuple[type[BaseException], ...]:
             ValueError, FileNotFoundError)
 
 
+# OSErrors about a path the user named (permissions, read-only file systems, a file where a folder
+# should be): one line, like any other user error.
+_FILE_ERRNOS = {errno.EACCES, errno.EPERM, errno.EROFS, errno.ENOTDIR, errno.EISDIR, errno.EEXIST, errno.ENAMETOOLONG,
+                errno.EDQUOT, errno.ELOOP}
+
+
+def _disk_full(e: BaseException) -> bool:
+    """A write that failed because the device is full, where a library (safetensors) hid the OSError."""
+    return "No space left on device" in str(e) or "os error 28" in str(e)
+
+
 def fail(message: str, code: int = 2) -> None:
     console.print(f"[bold red]error:[/] {message}", highlight=False, soft_wrap=True)
     raise typer.Exit(code)
@@ -51,11 +62,18 @@ def friendly(fn: Callable) -> Callable:
                      "another --out; nothing was left half-written")
             if isinstance(e, FileNotFoundError):
                 fail(str(e))
+            if e.errno in _FILE_ERRNOS and not os.environ.get("RANA_DEBUG"):
+                fail(f"{e.strerror or e}: '{e.filename}'; check the path and its permissions" if e.filename else str(e))
             raise
         except user_errors() as e:
             if os.environ.get("RANA_DEBUG"):
                 raise
             fail(str(e).splitlines()[0] if str(e) else type(e).__name__)
+        except Exception as e:
+            if _disk_full(e) and not os.environ.get("RANA_DEBUG"):  # safetensors / torch.save wrap ENOSPC
+                fail("no space left on device while writing the weights; free some space or choose another --out; "
+                     "nothing was left half-written")
+            raise
 
     return wrapper
 
@@ -98,3 +116,27 @@ def setup_environment() -> None:
         hf_logging.set_verbosity_error()
     except Exception:  # pragma: no cover
         pass
+
+
+def check_inputs(*models: str, seq_len: int | None = None, out=None, json_out=None, data=(), data_option="--ppl-data",
+                 offload_dir=None, out_inside: bool = False) -> None:
+    """Everything a command can check before loading a model: the models exist, the window fits their
+    position table, data files are readable text, and the outputs can be written."""
+    from rana.checks import check_available, check_seq_len, check_writable_dir, check_writable_file
+    from rana.data import check_source
+    from rana.io import is_rana_dir
+
+    for ref in models:
+        if not is_rana_dir(ref):
+            check_available(ref)
+    for source in data:
+        check_source(source, data_option)
+    for ref in models:
+        if seq_len is not None:
+            check_seq_len(ref, seq_len)
+    if out is not None:
+        check_writable_dir(out, "--out", inside=out_inside)
+    if offload_dir is not None:
+        check_writable_dir(offload_dir, "--offload-dir")
+    if json_out is not None:
+        check_writable_file(json_out, "--json")

@@ -7,7 +7,7 @@ from typing import Optional
 import typer
 from rich.table import Table
 
-from .common import LazyProgress, console, friendly
+from .common import LazyProgress, check_inputs, console, friendly
 from .common import out as stdout
 
 
@@ -67,7 +67,6 @@ def register(app: typer.Typer) -> None:
     ) -> None:
         """Compress a model with RaNA adapters to a model-level FLOP budget."""
         from rana.compress import compress as run
-        from rana.loading import resolve
         from rana.config import CompressConfig
         from rana.io import OutputExistsError, save
 
@@ -87,6 +86,8 @@ def register(app: typer.Typer) -> None:
                                 max_memory=max_memory, offload_dir=str(offload_dir) if offload_dir else None)
         config.validate()
         resolve(model, dense=True)  # fail fast on an unknown model (or a rana folder), before any work starts
+        check_inputs(model, seq_len=seq_len, out=out, data=[dataset], data_option="--dataset",
+                     offload_dir=offload_dir)  # fail fast, before any work starts
         with LazyProgress(f"compressing {model}") as progress:
             result = run(config, progress=progress)
         from rana.distributed import is_main_process

@@ -3,13 +3,14 @@ from __future__ import annotations
 
 import gc
 import json
+import os
 from pathlib import Path
 from typing import List, Optional
 
 import typer
 from rich.table import Table
 
-from .common import LazyProgress, console, friendly
+from .common import LazyProgress, check_inputs, console, friendly
 from .common import out as stdout
 
 
@@ -85,6 +86,20 @@ def _limit(value: Optional[float]):
     return int(value) if value >= 1 and float(value).is_integer() else value
 
 
+def _check_counts(*, batch_size, eval_tokens, seq_len, latency_tokens, latency_repeats, layer_error_tokens,
+                  num_fewshot) -> None:
+    for option, value in (("--batch-size", batch_size), ("--latency-tokens", latency_tokens),
+                          ("--latency-repeats", latency_repeats)):
+        if value < 1:
+            raise ValueError(f"{option} must be a positive integer, got {value}")
+    if eval_tokens is not None and eval_tokens < seq_len:
+        raise ValueError(f"--eval-tokens ({eval_tokens}) must be at least one window (--seq-len {seq_len})")
+    if layer_error_tokens < 2:
+        raise ValueError(f"--layer-error-tokens must be at least 2, got {layer_error_tokens}")
+    if num_fewshot < 0:
+        raise ValueError(f"--num-fewshot must be ≥ 0, got {num_fewshot}")
+
+
 def register(app: typer.Typer) -> None:
     @app.command("eval")
     @friendly
@@ -114,8 +129,9 @@ def register(app: typer.Typer) -> None:
         """Perplexity, measured FLOPs, lm-eval tasks and decode latency of compressed and dense models."""
         from rana.evaluation import evaluate_model, eval_tokens as read_tokens, layer_errors as block_errors, load_for_eval
         from rana.evaluation import ppl_protocol
-        from rana.io import is_rana_dir
-        from rana.loading import load_model, resolve
+        from rana.checks import check_device
+        from rana.evaluate import check_tasks
+        from rana.loading import DTYPES, load_model
 
         refs = list(models) + [c.strip() for item in compare for c in item.split(",") if c.strip()]
         task_list = [t.strip() for t in (tasks or "").split(",") if t.strip()]
@@ -137,6 +153,18 @@ def register(app: typer.Typer) -> None:
 
         check_output_file(json_out, [p for r in refs + ([dense] if dense else []) for p in model_inputs(r)]
                           + local_inputs(*ppl_data), "--json")
+        _check_counts(batch_size=batch_size, eval_tokens=eval_tokens, seq_len=seq_len, latency_tokens=latency_tokens,
+                      latency_repeats=latency_repeats, layer_error_tokens=layer_error_tokens, num_fewshot=num_fewshot)
+        if dtype not in DTYPES:
+            raise ValueError(f"--dtype must be one of float32, bfloat16, float16, got '{dtype}'")
+        check_device(device)
+        lim = _limit(limit)
+        # every model, file and output is checked before the first model loads
+        check_inputs(*refs, *([dense] if dense else []), seq_len=seq_len if ppl_data else None, json_out=json_out,
+                     data=list(ppl_data))
+        if task_list:
+            check_tasks(task_list, include_path=include_path,
+                        data_dir=task_data if any(t.endswith("_local") for t in task_list) else None)
 
         dense_cache: dict[str, tuple] = {}
 
@@ -190,7 +218,12 @@ def register(app: typer.Typer) -> None:
                 print_wide(stdout, layer_error_table(r))
         if json_out is not None:
             json_out.parent.mkdir(parents=True, exist_ok=True)
-            json_out.write_text(json.dumps(results, indent=2, default=float) + "\n")
+            tmp = json_out.with_name(f".{json_out.name}.tmp-{os.getpid()}")  # a full disk leaves no half file
+            try:
+                tmp.write_text(json.dumps(results, indent=2, default=float) + "\n")
+                os.replace(tmp, json_out)
+            finally:
+                tmp.unlink(missing_ok=True)
             stdout.print(f"wrote {json_out}", highlight=False)
 
 

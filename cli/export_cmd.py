@@ -21,7 +21,10 @@ def register(app: typer.Typer) -> None:
         """Export a compressed model as a folder that loads in plain transformers, without rana installed."""
         from transformers.utils import logging as hf_logging
 
+        from rana.checks import check_writable_dir
         from rana.export import export as run
+
+        check_writable_dir(out, "--out")
 
         hf_logging.disable_progress_bar()  # save_pretrained's shard bar; the status line says what runs
         with console.status(f"exporting {src}"):

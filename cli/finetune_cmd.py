@@ -124,7 +124,9 @@ def register(app: typer.Typer) -> None:
                 bar.update(tasks[what], completed=done, total=total, info=_info(last))
 
             def on_log(record: dict) -> None:
-                if "sweep" in record:
+                if "warning" in record:
+                    console.print(f"[yellow]warning:[/] {record['warning']}", highlight=False, soft_wrap=True)
+                elif "sweep" in record:
                     r = record["sweep"]
                     console.print(f"sweep lr {r['lr']:.3g}: held-out ppl {r['heldout_ppl']:.3f}")
                 else:

@@ -7,7 +7,7 @@ from typing import List, Optional
 import typer
 from rich.table import Table
 
-from .common import LazyProgress, console, fail, friendly
+from .common import LazyProgress, check_inputs, console, fail, friendly
 from .common import out as stdout
 from .evaluate_cmd import print_wide
 
@@ -69,7 +69,7 @@ def register(app: typer.Typer) -> None:
         save_models: bool = typer.Option(False, "--save-models", help="also save each compressed model under OUT/models/"),
     ) -> None:
         """Compress with several methods at several budgets; evaluate, tabulate and plot (resumable)."""
-        from rana.loading import resolve
+        from rana.data import check_source
         from rana.sweep import SweepConfig, run_sweep
 
         config = SweepConfig(model=model, out=out, ppl_data=list(ppl_data), methods=methods.split(","), flops=_floats(flops),
@@ -83,6 +83,8 @@ def register(app: typer.Typer) -> None:
         from rana.paths import check_output, local_inputs, model_inputs
 
         check_output(out, model_inputs(model) + local_inputs(dataset, *ppl_data), resumable=("sweep folder",))
+        check_inputs(model, seq_len=seq_len, out=out, out_inside=True, data=list(ppl_data))  # fail fast
+        check_source(dataset, "--dataset")
         try:
             with LazyProgress("sweep") as progress:
                 results = run_sweep(config, progress=progress, log=lambda msg: console.print(msg, highlight=False))

@@ -9,6 +9,20 @@ FORMAT_VERSION = 1
 METHODS = ("rana", "rana-paper", "cats", "svd", "teal", "rana-contrib", "rana-mixed", "rana-wina")
 
 
+# Thresholds are quantiles of activation statistics: fewer fitting tokens than this give noisy,
+# unrepeatable masks (8 tokens were once accepted silently).
+MIN_FIT_TOKENS = 256
+MAX_CALIB_TOKENS = 100_000_000  # activations of every calibration token are held while fitting
+
+
+def min_calib_tokens(seq_len: int, heldout_fraction: float = 0.125) -> int:
+    """The smallest --calib-tokens (a whole number of windows) that leaves MIN_FIT_TOKENS to fit on."""
+    n_seq = 2
+    while (n_seq - max(1, round(n_seq * heldout_fraction))) * seq_len < MIN_FIT_TOKENS:
+        n_seq += 1
+    return n_seq * seq_len
+
+
 @dataclass
 class CompressConfig:
     model: str
@@ -40,10 +54,6 @@ class CompressConfig:
             raise ValueError(f"unknown method '{self.method}' (choose from {', '.join(METHODS)})")
         if self.allocation not in ("uniform", "global"):
             raise ValueError(f"unknown allocation '{self.allocation}' (choose uniform or global)")
-        from .placement import check_device
-
-        check_device(self.device)
-        check_device(self.offload_device)
         if self.max_memory is not None:
             from .offload import parse_memory
 
@@ -54,6 +64,24 @@ class CompressConfig:
             raise ValueError(f"--calib-tokens ({self.calib_tokens}) must be at least two sequences (2 × --seq-len = {2 * self.seq_len})")
         if not 0.0 < self.heldout_fraction < 1.0:
             raise ValueError("heldout fraction must be in (0, 1)")
+        n_seq = self.calib_tokens // self.seq_len
+        fit_tokens = (n_seq - max(1, round(n_seq * self.heldout_fraction))) * self.seq_len
+        if fit_tokens < MIN_FIT_TOKENS:
+            raise ValueError(f"--calib-tokens {self.calib_tokens} leaves {fit_tokens} tokens to fit thresholds on (after the "
+                             f"held-aside slice), too few for stable statistics: pass --calib-tokens "
+                             f"{min_calib_tokens(self.seq_len, self.heldout_fraction)} or more")
+        if self.calib_tokens > MAX_CALIB_TOKENS:
+            raise ValueError(f"--calib-tokens {self.calib_tokens} is beyond any useful calibration set (at most "
+                             f"{MAX_CALIB_TOKENS:,}; the paper uses about 32k)")
+        for name in ("batch_size", "fit_sample_tokens", "search_tokens"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"--{name.replace('_', '-')} must be a positive integer, got {getattr(self, name)}")
+        if not 0.0 < self.grid_step <= 1.0:
+            raise ValueError(f"--grid-step must be in (0, 1] (a share of the MLP budget), got {self.grid_step}")
+        from .checks import check_device
+
+        check_device(self.device)
+        check_device(self.offload_device)
 
     def to_dict(self) -> dict:
         return {"format_version": FORMAT_VERSION, **asdict(self)}

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Iterable, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -85,6 +86,27 @@ def load_texts(
     return texts
 
 
+def check_source(source: str | Path | None, option: str = "--dataset") -> None:
+    """Up-front check of a local data source (exists, supported files, text files are UTF-8, JSON /
+    Parquet files parse), so a bad file is reported before a model is loaded; hub names are checked
+    when they are loaded."""
+    if source is None:
+        return
+    name = str(source).split(":")[0] if not Path(os.path.expanduser(str(source))).exists() else str(source)
+    path = Path(os.path.expanduser(name))
+    if not path.exists():
+        if _looks_local(name):
+            raise DataError(f"{option}: data file not found: {source}; pass an existing .txt/.raw/.jsonl/.json/.parquet "
+                            "file or folder")
+        return
+    for builder, files in _data_files(path).items():
+        if builder == "text":
+            for f in files:
+                check_utf8_text(Path(f))
+        else:  # parsed once here; `datasets` caches the result for the real load
+            _read_files(builder, files)
+
+
 def _looks_local(source: str) -> bool:
     """A missing path is 'local' if it has a data suffix or an explicit path prefix."""
     explicit = source.startswith((".", "/", "~")) or "\\" in source or source.count("/") > 1
@@ -106,16 +128,93 @@ def _data_files(path: Path) -> dict[str, list[str]]:
 
 
 def _load_local(path: Path, text_column: str) -> list[str]:
-    """Read local files through HF `datasets` packaged builders (text/json/parquet)."""
-    import datasets
+    """Read local files through HF `datasets` packaged builders (text/json/parquet).
 
+    Text files are checked to be UTF-8 first (the builder would fail deep inside with no file
+    name); any other failure to read names the file that caused it."""
     texts: list[str] = []
     for builder, files in _data_files(path).items():
-        kwargs = {"sample_by": "document"} if builder == "text" else {}
-        ds = datasets.load_dataset(builder, data_files=files, split="train", **kwargs)
+        if builder == "text":
+            for f in files:
+                check_utf8_text(Path(f))
+        ds = _read_files(builder, files)
         column = "text" if builder == "text" else text_column
         texts.extend(_column(ds, column, f"{path} ({builder} files)"))
     return texts
+
+
+_FORMAT_HINT = {"text": "a UTF-8 text file", "json": "JSON Lines: one JSON object per line, each with the text column",
+                "parquet": "a Parquet file (written by pandas / pyarrow)"}
+
+
+def _read_files(builder: str, files: list[str]):
+    import datasets
+
+    kwargs = {"sample_by": "document"} if builder == "text" else {}
+    with _quiet_datasets():  # a bad file is reported once, by the DataError below, not by datasets' logger too
+        try:
+            return datasets.load_dataset(builder, data_files=files, split="train", **kwargs)
+        except Exception as exc:  # noqa: BLE001 - datasets/pyarrow raise many unrelated types for a bad file
+            culprit = files[0]
+            if len(files) > 1:  # find the file that fails on its own (only on this error path)
+                for f in files:
+                    try:
+                        datasets.load_dataset(builder, data_files=[f], split="train", **kwargs)
+                    except Exception:  # noqa: BLE001
+                        culprit = f
+                        break
+            raise DataError(f"could not read '{culprit}' as {_FORMAT_HINT[builder]}: {root_cause(exc)}; fix or "
+                            "remove the file") from None
+
+
+@contextmanager
+def _quiet_datasets():
+    from datasets.utils import logging as ds_logging
+
+    level = ds_logging.get_verbosity()
+    bars = ds_logging.is_progress_bar_enabled()
+    ds_logging.set_verbosity(ds_logging.CRITICAL + 10)
+    ds_logging.disable_progress_bar()
+    try:
+        yield
+    finally:
+        ds_logging.set_verbosity(level)
+        if bars:
+            ds_logging.enable_progress_bar()
+
+
+def root_cause(exc: BaseException) -> str:
+    """The first line of the innermost cause of `exc` (library wrappers say little)."""
+    seen = set()
+    while id(exc) not in seen and (exc.__cause__ or exc.__context__) is not None:
+        seen.add(id(exc))
+        exc = exc.__cause__ or exc.__context__
+    text = str(exc).strip()
+    return text.splitlines()[0] if text else type(exc).__name__
+
+
+def check_utf8_text(path: Path, chunk: int = 1 << 20) -> None:
+    """Refuse a file that is not UTF-8 text (binary data, another encoding), naming the byte offset."""
+    import codecs
+
+    decoder = codecs.getincrementaldecoder("utf-8")()
+    offset = 0
+    with open(path, "rb") as fh:
+        while True:
+            block = fh.read(chunk)
+            pending = len(decoder.getstate()[0])  # bytes of a character split across reads
+            try:
+                text = decoder.decode(block, final=not block)
+            except UnicodeDecodeError as e:
+                raise DataError(f"'{path}' is not UTF-8 text (byte {offset - pending + e.start} "
+                                "cannot be decoded): convert it to UTF-8 (e.g. `iconv -f latin1 -t utf-8`) or pass "
+                                "another file") from None
+            if "\x00" in text:
+                raise DataError(f"'{path}' looks binary (it contains NUL bytes), not text: pass a .txt/.jsonl/"
+                                ".parquet file of text")
+            if not block:
+                return
+            offset += len(block)
 
 
 def _load_hub(name: str, config: str | None, split: str, text_column: str) -> list[str]:

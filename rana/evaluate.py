@@ -6,8 +6,10 @@ the documents of a held-out set joined into one stream, cut into non-overlapping
 """
 from __future__ import annotations
 
+import atexit
 import json
 import re
+import shutil
 import statistics
 import tempfile
 import time
@@ -161,15 +163,11 @@ def lm_eval_tasks(
     try:
         import lm_eval
         from lm_eval.models.huggingface import HFLM
-        from lm_eval.tasks import TaskManager
     except ImportError as exc:  # lm-eval is an optional extra
         raise ImportError("lm-eval is not installed; pip install 'rana[eval]'") from exc
 
-    with tempfile.TemporaryDirectory(prefix="rana_tasks_") as tmp, _eval_mode(model):
-        paths = [str(p) for p in (include_path,) if p is not None]
-        if data_dir is not None:
-            paths.append(str(write_local_tasks(tmp, data_dir)))
-        manager = TaskManager(include_path=paths or None)
+    with _eval_mode(model):
+        manager = task_manager(tasks, include_path=include_path, data_dir=data_dir)
         lm = HFLM(pretrained=model, tokenizer=tokenizer, batch_size=batch_size)
         results = lm_eval.simple_evaluate(
             model=lm,
@@ -181,6 +179,80 @@ def lm_eval_tasks(
             log_samples=False,
         )
     return {task: _clean_metrics(metrics) for task, metrics in results["results"].items()}
+
+
+_MANAGERS: dict[tuple, Any] = {}
+
+
+def task_manager(tasks: Sequence[str], *, include_path: str | Path | None = None, data_dir: str | Path | None = None):
+    """An lm-eval TaskManager that knows `tasks` (built once per process and setting).
+
+    Indexing lm-eval's own ~15k task YAMLs takes half a minute, so the bundled `*_local` tasks and
+    `include_path` are tried alone first; the full index is built only for a task found in neither."""
+    try:
+        from lm_eval.tasks import TaskManager
+    except ImportError as exc:  # lm-eval is an optional extra
+        raise DataError("--tasks needs lm-eval, which is not installed: pip install 'rana[eval]'") from exc
+    if include_path is not None and not Path(include_path).expanduser().is_dir():
+        raise DataError(f"--include-path '{include_path}' is not a folder of task YAMLs")
+    key = (str(include_path) if include_path else None, str(Path(data_dir).resolve()) if data_dir else None)
+    paths = [str(Path(include_path).expanduser())] if include_path is not None else []
+    if data_dir is not None:
+        if key + ("dir",) not in _MANAGERS:
+            tmp = tempfile.mkdtemp(prefix="rana_tasks_")
+            atexit.register(shutil.rmtree, tmp, True)
+            _MANAGERS[key + ("dir",)] = str(write_local_tasks(tmp, data_dir))
+        paths.append(_MANAGERS[key + ("dir",)])
+    if paths and (key, False) not in _MANAGERS:
+        _MANAGERS[(key, False)] = TaskManager(include_path=paths, include_defaults=False)
+    if paths and all(t in _MANAGERS[(key, False)].all_tasks for t in tasks):
+        return _MANAGERS[(key, False)]
+    if (key, True) not in _MANAGERS:
+        _MANAGERS[(key, True)] = TaskManager(include_path=paths or None)
+    return _MANAGERS[(key, True)]
+
+
+def check_tasks(tasks: Sequence[str], *, include_path: str | Path | None = None,
+                data_dir: str | Path | None = None) -> None:
+    """Before any model is loaded: every task is known to lm-eval, and (offline) its data is at hand."""
+    import difflib
+    import os
+
+    local = [t for t in tasks if t in LOCAL_TASKS]
+    if local and data_dir is None and include_path is None:
+        raise DataError(f"task(s) {', '.join(local)} read local data: pass --task-data FOLDER (the folder holding "
+                        "eval/hellaswag_validation.jsonl etc.)")
+    manager = task_manager(tasks, include_path=include_path, data_dir=data_dir)
+    known = set(manager.all_tasks)
+    for task in tasks:
+        if task not in known:
+            close = difflib.get_close_matches(task, known, n=3)
+            hint = f"did you mean {', '.join(close)}? " if close else ""
+            raise DataError(f"unknown lm-eval task '{task}': {hint}(offline: hellaswag_local, lambada_openai_local "
+                            "with --task-data; `lm-eval ls tasks` lists the rest)")
+    offline = any(os.environ.get(v, "").lower() in ("1", "true", "yes") for v in ("HF_DATASETS_OFFLINE", "HF_HUB_OFFLINE"))
+    if not offline:
+        return
+    for task in tasks:
+        cfg = getattr(manager.task_index.get(task), "cfg", None) or {}
+        path = cfg.get("dataset_path")
+        if not path or path in ("json", "csv", "parquet", "text", "arrow") or Path(str(path)).exists():
+            continue
+        if not _hub_dataset_cached(path, cfg.get("dataset_name")):
+            local = f"{task}_local"
+            instead = f"use {local} with --task-data FOLDER" if local in LOCAL_TASKS else "run it once online"
+            raise DataError(f"lm-eval task '{task}' reads the hub dataset '{path}', which is not cached, and offline "
+                            f"mode is set (HF_HUB_OFFLINE / HF_DATASETS_OFFLINE): {instead}")
+
+
+def _hub_dataset_cached(path: str, name: str | None) -> bool:
+    import datasets
+
+    try:
+        datasets.load_dataset_builder(path, name)
+        return True
+    except Exception:  # noqa: BLE001 - offline and not cached (datasets raises several types)
+        return False
 
 
 # --------------------------------------------------------------------------- latency

@@ -22,14 +22,16 @@ accelerate's ``--cpu`` launcher starts a single process unless MPI is set up; us
 no GPU, finetune switches accelerate to CPU mode itself (DDP over gloo). Do not create a ``PartialState`` /
 ``Accelerator`` before calling :func:`finetune` in such a job (it would fix the state to one process).
 
-Data order is fixed up front: the training blocks are shuffled once per epoch from ``seed`` and laid
-out for the whole run, and the prepared loader walks that list. Resuming therefore only has to skip
+Data order is fixed by ``seed``: the training blocks are shuffled once per epoch (each epoch's
+permutation drawn from ``seed`` and the epoch number when the loader reaches it), and the prepared
+loader walks that sequence. Resuming therefore only has to skip
 the batches already consumed (``accelerator.skip_first_batches``); optimizer, scheduler and RNG states
 come from ``load_state``, so a resumed run reproduces the uninterrupted one. Checkpoints hold the
 trainable parameters only (the frozen base comes from the source folder again).
 """
 from __future__ import annotations
 
+import errno
 import gc
 import hashlib
 import json
@@ -90,6 +92,7 @@ class NonFiniteLossError(RuntimeError):
 # Config
 # --------------------------------------------------------------------------------------------------
 
+MAX_TOKENS = 10**12  # far beyond any fine-tuning run; larger values are typos (1e30)
 _TOKEN_SUFFIX = {"": 1, "k": 10**3, "m": 10**6, "g": 10**9, "b": 10**9, "t": 10**12}
 
 
@@ -107,7 +110,10 @@ def parse_tokens(value: Any) -> int:
                              "e.g. 2M, 500k, 1.5e6")
         n = float(m.group(1)) * _TOKEN_SUFFIX[m.group(2)]
     if not math.isfinite(n) or n < 1:
-        raise ValueError(f"token budget must be at least 1 token, got {value!r}")
+        raise ValueError(f"--tokens: the token budget must be at least 1 token, got {value!r}")
+    if n > MAX_TOKENS:
+        raise ValueError(f"--tokens {value}: a budget beyond {MAX_TOKENS:.0e} tokens is not a fine-tuning run (at "
+                         "today's speeds it would never finish); pass e.g. 2M or 500M")
     return int(round(n))
 
 
@@ -174,8 +180,12 @@ class FinetuneConfig:
         if isinstance(self.tokens, str):
             self.tokens = parse_tokens(self.tokens)
         if isinstance(self.sweep_lrs, str):
-            self.sweep_lrs = tuple(float(x) for x in self.sweep_lrs.split(",") if x.strip())
-        self.sweep_lrs = tuple(float(x) for x in (self.sweep_lrs or ()))
+            self.sweep_lrs = tuple(x for x in self.sweep_lrs.split(",") if x.strip())
+        try:
+            self.sweep_lrs = tuple(float(x) for x in (self.sweep_lrs or ()))
+        except ValueError:
+            raise FinetuneError(f"--sweep-lrs takes comma-separated numbers like 5e-5,2e-4,8e-4, got "
+                                f"{','.join(map(str, self.sweep_lrs))!r}") from None
         self.betas = tuple(float(x) for x in self.betas)
         if self.laurel is None:
             self.laurel = "none"
@@ -195,6 +205,18 @@ class FinetuneConfig:
         positive("grad_accum", self.grad_accum)
         positive("lora_r", self.lora_r)
         positive("eval_tokens", self.eval_tokens)
+        if not (self.lora_alpha > 0 and math.isfinite(self.lora_alpha)):
+            raise FinetuneError(f"--lora-alpha must be a positive number, got {self.lora_alpha!r}")
+        if not 0.0 <= self.lora_dropout < 1.0:
+            raise FinetuneError(f"--lora-dropout is a probability in [0, 1), got {self.lora_dropout!r}")
+        if not (self.weight_decay >= 0 and math.isfinite(self.weight_decay)):
+            raise FinetuneError(f"--weight-decay must be ≥ 0, got {self.weight_decay!r}")
+        if not (self.max_grad_norm >= 0 and math.isfinite(self.max_grad_norm)):
+            raise FinetuneError(f"--max-grad-norm must be ≥ 0 (0: no clipping), got {self.max_grad_norm!r}")
+        if self.eval_every < 0:
+            raise FinetuneError(f"--eval-every must be ≥ 0 (0: about 10 evaluations per run), got {self.eval_every}")
+        if self.eval_batch_size < 0:
+            raise FinetuneError(f"eval_batch_size must be ≥ 0 (0: batch_size), got {self.eval_batch_size}")
         if self.lr is not None and not (self.lr > 0 and math.isfinite(self.lr)):
             raise FinetuneError(f"--lr must be a positive number, got {self.lr!r}")
         if any(not (x > 0 and math.isfinite(x)) for x in self.sweep_lrs):
@@ -505,13 +527,20 @@ def _dense_weights(model: nn.Module, reference: str, device, dtype) -> dict:
 
 
 def _load_token_ids(path: Path, vocab_size: int | None) -> torch.Tensor:
-    if path.suffix == ".npy":
-        import numpy as np
+    try:
+        if path.suffix == ".npy":
+            import numpy as np
 
-        ids = torch.from_numpy(np.load(path)).long()
-    else:
-        obj = torch.load(path, map_location="cpu", weights_only=True)
-        ids = torch.as_tensor(obj).long()
+            ids = torch.from_numpy(np.load(path)).long()
+        else:
+            obj = torch.load(path, map_location="cpu", weights_only=True)
+            ids = torch.as_tensor(obj).long()
+    except Exception as e:  # noqa: BLE001 - numpy/torch/pickle raise many types for a damaged file
+        from .data import root_cause
+
+        kind = "a NumPy array" if path.suffix == ".npy" else "a tensor saved with torch.save"
+        raise DataError(f"could not read token ids from '{path}' ({root_cause(e)}): it must hold {kind} of "
+                        "integer token ids") from None
     if ids.dim() != 1:
         ids = ids.reshape(-1)
     if ids.numel() == 0:
@@ -555,25 +584,33 @@ def _prepare_blocks(config: FinetuneConfig, tokenizer, vocab_size) -> tuple[torc
 
 
 class _OrderedBlocks(torch.utils.data.Dataset):
-    """The whole run's sequence of training blocks (one shuffle per epoch, seeded)."""
+    """The whole run's sequence of training blocks: epoch after epoch, each a seeded shuffle.
+
+    Item `i` is block `perm(i // n)[i % n]` of epoch `i // n`; the permutation is drawn when an
+    epoch is first reached (one epoch's order is held at a time), so memory does not grow with
+    the token budget."""
 
     def __init__(self, blocks: torch.Tensor, n_items: int, seed: int):
         self.blocks = blocks
-        order, epoch, total = [], 0, 0
-        while total < n_items:
-            g = torch.Generator().manual_seed(int(seed) * 1_000_003 + epoch)
-            perm = torch.randperm(len(blocks), generator=g)
-            order.append(perm)
-            total += len(perm)
-            epoch += 1
-        self.order = torch.cat(order)[:n_items]
-        self.epochs = n_items / len(blocks)
+        self.n_items = int(n_items)
+        self.seed = int(seed)
+        self.epochs = self.n_items / len(blocks)
+        self._epoch, self._perm = -1, None
+
+    def permutation(self, epoch: int) -> torch.Tensor:
+        if epoch != self._epoch:
+            g = torch.Generator().manual_seed(self.seed * 1_000_003 + epoch)
+            self._epoch, self._perm = epoch, torch.randperm(len(self.blocks), generator=g)
+        return self._perm
 
     def __len__(self) -> int:
-        return len(self.order)
+        return self.n_items
 
     def __getitem__(self, i: int) -> torch.Tensor:
-        return self.blocks[self.order[i]]
+        if not 0 <= i < self.n_items:
+            raise IndexError(i)
+        epoch, pos = divmod(int(i), len(self.blocks))
+        return self.blocks[self.permutation(epoch)[pos]]
 
 
 # --------------------------------------------------------------------------------------------------
@@ -745,7 +782,11 @@ class _Trainer:
 
     # ------------------------------------------------------------------ setup
     def check_paths(self) -> dict | None:
-        """Validate --out / checkpoint dir; return the trainer state to resume from (or None)."""
+        """Validate --out / the checkpoint folder without touching them; return the trainer state to
+        resume from (or None). Only a checkpoint that verifies counts: a folder with none (a run that
+        failed on its inputs, or was killed before its first save) never blocks a fresh start."""
+        from .checks import check_writable_dir
+
         cfg, out = self.config, self.out
         _check_no_input_overlap(cfg, out, self.ckpt_dir)
         if out is not None and out.exists():
@@ -754,45 +795,92 @@ class _Trainer:
                 from .io import OutputExistsError
 
                 raise OutputExistsError(f"output folder '{out}' already exists; choose another --out or pass --overwrite")
-            if not others and not cfg.resume and not cfg.overwrite and self.ckpt_dir == out / CHECKPOINTS:
-                raise FinetuneError(f"'{out}' holds checkpoints of an unfinished run: pass --resume to continue it, or "
-                                    "--overwrite to start over")
-        state = None
-        if cfg.resume:
-            if self.ckpt_dir is None or not self.ckpt_dir.is_dir():
-                raise FinetuneError(f"--resume: no checkpoint folder at '{self.ckpt_dir}'; pass --checkpoint-dir (or the "
-                                    "--out of the run to continue)")
-            latest = _latest_checkpoint(self.ckpt_dir)
-            if latest is None:
-                raise FinetuneError(f"--resume: no checkpoint in '{self.ckpt_dir}' yet; start without --resume")
-            state = json.loads((latest / TRAINER_STATE).read_text())
-            if state.get("config_hash") != cfg.config_hash():
-                theirs = FinetuneConfig.from_dict(state["config"]).hashed_fields() if "config" in state else {}
-                diff = sorted(k for k, v in cfg.hashed_fields().items() if theirs.get(k) != v)
-                raise FinetuneError(
-                    f"--resume: the checkpoints in '{self.ckpt_dir}' were written by a different run (config hash "
-                    f"{state.get('config_hash')} vs {cfg.config_hash()}; differs in: {', '.join(diff) or 'unknown'}); "
-                    "resume with the same settings, or choose another --checkpoint-dir / --out")
-            if state.get("num_processes") != self.accelerator.num_processes:
-                raise FinetuneError(
-                    f"--resume: the checkpoint was written by {state.get('num_processes')} process(es), this run has "
-                    f"{self.accelerator.num_processes}; the data order and batch depend on it: launch with the same "
-                    "number of processes")
-            state["path"] = str(latest)
+        if out is not None:
+            check_writable_dir(out, "--out")
+        if self.ckpt_dir is not None and self.ckpt_dir != (out / CHECKPOINTS if out is not None else None):
+            check_writable_dir(self.ckpt_dir, "--checkpoint-dir")
+        default_dir = out is not None and self.ckpt_dir == out / CHECKPOINTS
+        usable = None
+        if self.ckpt_dir is not None and self.ckpt_dir.is_dir() and (cfg.resume or (default_dir and not cfg.overwrite)):
+            usable = self._newest_usable_checkpoint()
+        if not cfg.resume:
+            if usable is not None:  # (an explicit --checkpoint-dir keeps what it holds; new checkpoints go beside)
+                raise FinetuneError(f"'{self.ckpt_dir}' holds checkpoints of an unfinished run (newest: {usable[0].name}): "
+                                    "pass --resume to continue it, or --overwrite to start over")
+            return None
+        if self.ckpt_dir is None or not self.ckpt_dir.is_dir():
+            raise FinetuneError(f"--resume: no checkpoint folder at '{self.ckpt_dir}'; pass --checkpoint-dir (or the "
+                                "--out of the run to continue)")
+        if usable is None:
+            raise FinetuneError(f"--resume: no usable checkpoint in '{self.ckpt_dir}' (the run saved none, or they are "
+                                "damaged); start without --resume")
+        latest, state = usable
+        if state.get("config_hash") != cfg.config_hash():
+            theirs = FinetuneConfig.from_dict(state["config"]).hashed_fields() if "config" in state else {}
+            diff = sorted(k for k, v in cfg.hashed_fields().items() if theirs.get(k) != v)
+            raise FinetuneError(
+                f"--resume: the checkpoints in '{self.ckpt_dir}' were written by a different run (config hash "
+                f"{state.get('config_hash')} vs {cfg.config_hash()}; differs in: {', '.join(diff) or 'unknown'}); "
+                "resume with the same settings, or choose another --checkpoint-dir / --out")
+        if state.get("num_processes") != self.accelerator.num_processes:
+            raise FinetuneError(
+                f"--resume: the checkpoint was written by {state.get('num_processes')} process(es), this run has "
+                f"{self.accelerator.num_processes}; the data order and batch depend on it: launch with the same "
+                "number of processes")
+        state["path"] = str(latest)
+        return state
+
+    def _newest_usable_checkpoint(self) -> tuple[Path, dict] | None:
+        """The newest checkpoint that verifies, warning (one line each) about damaged newer ones."""
+        for path in reversed(_checkpoints(self.ckpt_dir)):
+            problem, state = _verify_checkpoint(path)
+            if problem is None:
+                return path, state
+            self.warn(f"checkpoint '{path}' is damaged ({problem}); trying the previous one")
+        return None
+
+    def warn(self, message: str) -> None:
+        if not self.is_main:
+            return
+        if self.on_log is not None:
+            self.on_log({"warning": message})
+        else:
+            import warnings
+
+            warnings.warn(message, stacklevel=3)
+
+    def prepare_checkpoint_dir(self, state: dict | None) -> bool:
+        """Create (or clear) the checkpoint folder once the inputs have been checked; True if this run
+        created it (so a failure before the first checkpoint can take it away again)."""
+        cfg = self.config
+        created = False
         self.accelerator.wait_for_everyone()  # every process has checked the folders before any is touched
         if self.is_main and self.ckpt_dir is not None:
             if cfg.overwrite and not cfg.resume and self.ckpt_dir.exists():
                 shutil.rmtree(self.ckpt_dir)
+            created = not self.ckpt_dir.exists()
             self.ckpt_dir.mkdir(parents=True, exist_ok=True)
             for stale in self.ckpt_dir.glob(f".tmp-{CKPT_PREFIX}*"):
                 shutil.rmtree(stale, ignore_errors=True)
+            if state is None and self.out is not None and self.ckpt_dir == self.out / CHECKPOINTS:
+                for old in _checkpoints(self.ckpt_dir):  # a fresh start in OUT: only damaged ones can be left here
+                    shutil.rmtree(old, ignore_errors=True)
             log_path = self.ckpt_dir / TRAIN_LOG
             if state is not None:
                 log_path.write_text("".join(json.dumps(r) + "\n" for r in state.get("log", [])))
             elif log_path.exists():
                 log_path.unlink()
         self.accelerator.wait_for_everyone()
-        return state
+        return created
+
+    def discard_unused_checkpoint_dir(self, out_existed: bool) -> None:
+        """After a failure: remove the checkpoint folder this run created if it holds no checkpoint (and
+        --out if it was made only to hold it), so the same command can simply be run again."""
+        if not self.is_main or self.ckpt_dir is None or not self.ckpt_dir.is_dir() or _checkpoints(self.ckpt_dir):
+            return
+        shutil.rmtree(self.ckpt_dir, ignore_errors=True)
+        if self.out is not None and not out_existed and self.out.is_dir() and not any(self.out.iterdir()):
+            self.out.rmdir()
 
     def build_model(self):
         """Fresh model from the source, with LAuReL / LoRA / trainable flags set (not yet prepared)."""
@@ -1047,12 +1135,20 @@ class _Trainer:
         if self.is_main and tmp.exists():
             shutil.rmtree(tmp)
         acc.wait_for_everyone()
-        acc.save_state(str(tmp))
+        try:
+            acc.save_state(str(tmp))
+        except Exception as e:
+            full = _device_full(self.ckpt_dir)  # torch.save reports a full disk only as a stream-position mismatch
+            if self.is_main:
+                shutil.rmtree(tmp, ignore_errors=True)
+            if full:
+                raise OSError(errno.ENOSPC, "No space left on device", str(tmp)) from e
+            raise
         acc.wait_for_everyone()
         if self.is_main:
             state = {"step": step, "lr": lr, "config_hash": self.config.config_hash(), "config": self.config.to_dict(),
                      "num_processes": acc.num_processes, "train_time_s": train_time, "trainable": n_trainable,
-                     "sweep": self.sweep, "log": self.records}
+                     "sweep": self.sweep, "log": self.records, "files": _manifest(tmp)}
             (tmp / TRAINER_STATE).write_text(json.dumps(state, indent=1, default=float))
             if final.exists():
                 shutil.rmtree(final)
@@ -1088,9 +1184,47 @@ def _checkpoints(folder: Path) -> list[Path]:
     return sorted(found, key=lambda p: int(p.name[len(CKPT_PREFIX):]) if p.name[len(CKPT_PREFIX):].isdigit() else -1)
 
 
-def _latest_checkpoint(folder: Path) -> Path | None:
-    found = _checkpoints(folder)
-    return found[-1] if found else None
+def _device_full(folder: Path) -> bool:
+    """Nearly no space left where `folder` lives (a failed write that filled it has left a partial file)."""
+    try:
+        st = os.statvfs(folder)
+    except OSError:
+        return False
+    return st.f_bavail * st.f_frsize < 64 * 2**20
+
+
+def _file_digest(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 22), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def _manifest(folder: Path) -> dict[str, list]:
+    """{relative path: [size, sha256]} of every file of a checkpoint (verified before it is resumed)."""
+    return {str(p.relative_to(folder)): [p.stat().st_size, _file_digest(p)]
+            for p in sorted(folder.rglob("*")) if p.is_file() and p.name != TRAINER_STATE}
+
+
+def _verify_checkpoint(path: Path) -> tuple[str | None, dict | None]:
+    """(None, trainer state) for a sound checkpoint, else (what is wrong, None): an unreadable state
+    file, or a file missing, truncated or changed since it was written."""
+    try:
+        state = json.loads((path / TRAINER_STATE).read_text())
+        if not isinstance(state, dict) or not isinstance(state.get("step"), int):
+            return f"{TRAINER_STATE} has no step", None
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        return f"unreadable {TRAINER_STATE}: {str(e).splitlines()[0]}", None
+    for name, (size, digest) in (state.get("files") or {}).items():
+        f = path / name
+        if not f.is_file():
+            return f"{name} is missing", None
+        if f.stat().st_size != size:
+            return f"{name} is {f.stat().st_size} bytes, {size} were written", None
+        if _file_digest(f) != digest:
+            return f"{name} changed since it was written", None
+    return None, state
 
 
 # --------------------------------------------------------------------------------------------------
@@ -1110,14 +1244,33 @@ def finetune(config: FinetuneConfig, progress: Callable[[str, int, int], None] |
     tr = _Trainer(config, progress, on_log)
     acc = tr.accelerator
     tr.records, tr.sweep, tr._dense = [], None, None
+    # Every input is checked before the checkpoint folder is created: a run refused on its inputs
+    # leaves nothing behind that would block the same command once they are fixed.
     resume_state = tr.check_paths()
     if resume_state is not None:
         tr.records = list(resume_state.get("log", []))
+    from .checks import check_available, check_seq_len
+
+    check_seq_len(tr.source.path, config.seq_len)
+    for ref in (config.tokenizer, config.dense_model if config.self_guided_frac > 0 else None):
+        if ref is not None:
+            check_available(ref)
 
     # data (the tokenizer / vocabulary comes from the source; loading it is cheap next to training)
     model_probe_tok, vocab = _probe_tokenizer(tr.source, config)
     with acc.main_process_first():
         tr.train_blocks, tr.heldout_blocks = _prepare_blocks(config, model_probe_tok, vocab)
+    out_existed = tr.out is not None and tr.out.exists()
+    tr.prepare_checkpoint_dir(resume_state)
+    try:
+        return _train_and_save(tr, config, resume_state)
+    except BaseException:
+        tr.discard_unused_checkpoint_dir(out_existed)
+        raise
+
+
+def _train_and_save(tr: "_Trainer", config: FinetuneConfig, resume_state: dict | None) -> FinetuneResult:
+    acc = tr.accelerator
     per_step_tokens = config.batch_size * config.grad_accum * acc.num_processes * config.seq_len
     total_steps = max(1, math.ceil(config.tokens / per_step_tokens))
 

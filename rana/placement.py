@@ -61,17 +61,3 @@ def as_module_input(x: torch.Tensor, module: torch.nn.Module) -> torch.Tensor:
     p = next((p for p in module.parameters() if p.is_floating_point()), None)
     return x if p is None else x.to(device=p.device, dtype=p.dtype)
 
-
-def check_device(name: str) -> torch.device:
-    """The device `name` names, or a one-line ValueError when torch cannot use it here."""
-    try:
-        device = torch.device(name)
-    except (RuntimeError, TypeError):
-        raise ValueError(f"--device '{name}' is not a device torch knows (cpu, cuda, cuda:1, …)") from None
-    if device.type == "cuda":
-        if not torch.cuda.is_available():
-            raise ValueError(f"--device {name}: torch {torch.__version__} sees no CUDA GPU on this machine; "
-                             "use --device cpu (or install a CUDA build of torch)")
-        if device.index is not None and device.index >= torch.cuda.device_count():
-            raise ValueError(f"--device {name}: only {torch.cuda.device_count()} CUDA device(s) are visible")
-    return device

@@ -85,6 +85,8 @@ class SweepConfig:
                 raise ValueError(f"--flops must be in (0, 1], got {f}: it is the fraction of the dense model's FLOPs to keep")
         if not self.ppl_data:
             raise ValueError("pass at least one --ppl-data text to evaluate on (never the calibration text)")
+        if self.eval_batch_size < 1:
+            raise ValueError(f"--eval-batch-size must be a positive integer, got {self.eval_batch_size}")
         if self.eval_tokens is not None and self.eval_tokens < self.seq_len:
             raise ValueError(f"--eval-tokens ({self.eval_tokens}) must be at least one window (--seq-len {self.seq_len})")
         if self.figure_flops is not None and self.methods and not any(abs(self.figure_flops - f) < 1e-9 for f in self.flops):
