@@ -118,6 +118,7 @@ def register(app: typer.Typer) -> None:
         stdout.print(plan_table(result.plan))
         p = result.plan
         stdout.print(f"target FLOPs {p['target_flops']:.3f}, measured {p['measured_flops']:.4f} on {p['measured_on']}; "
-                     f"wrote {out}/ (plan.json, rana_config.json, model.safetensors) in {p['wall_time_s']:.0f}s")
+                     f"wrote {out}/ (plan.json, rana_config.json, model.safetensors, README.md model card, recipe.json) "
+                     f"in {p['wall_time_s']:.0f}s")
         if abs(p["measured_flops"] - p["target_flops"]) > 0.01:
             console.print("[yellow]warning:[/] measured FLOPs differ from the target by more than 0.01")

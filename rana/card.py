@@ -153,7 +153,7 @@ def render_card(name: str, *, meta: dict, plan: dict | None, evaluation: dict | 
     if config:
         lines += ["## Reproduce", "",
                   f"`{RECIPE}` holds the full compression configuration; re-run it with", "", "```",
-                  f"rana compress --recipe {RECIPE} --out {name}", "```", "",
+                  f"rana compress --recipe {name}/{RECIPE} --out {name}-again", "```", "",
                   "(options given on the command line override the recipe's values), which is", "", "```",
                   command_line(config, out=name), "```", ""]
         if meta.get("finetune"):
@@ -228,7 +228,7 @@ def _measured_table(plan: dict) -> list[str]:
     m = plan.get("measured") or {}
     rows = [("FLOP fraction of dense", _fmt(plan.get("measured_flops")))]
     if m.get("gflops_per_token") is not None:
-        rows.append(("GFLOPs / token (dense)", f"{m['gflops_per_token']:.4f} ({m.get('dense_gflops_per_token', 0):.4f})"))
+        rows.append(("GFLOPs / token (dense)", f"{m['gflops_per_token']:.4g} ({m.get('dense_gflops_per_token', 0):.4g})"))
     for part, d in (m.get("by_part") or {}).items():
         rows.append((f"{part}: fraction of its dense FLOPs", _fmt(d.get("fraction_of_part"))))
     out = ["| quantity | value |", "|---|---|"] + [f"| {k} | {v} |" for k, v in rows]
@@ -274,10 +274,12 @@ def _usage(name: str, export: bool) -> list[str]:
 # --------------------------------------------------------------------------- writers
 
 
-def _folder_name(folder: Path) -> str:
-    """The name the folder will have: `atomic_dir` writes into `.NAME.tmp-XXXX` and renames it."""
-    m = re.fullmatch(r"\.(.+)\.tmp-[^.]*", folder.name)
-    return m.group(1) if m else folder.name
+def _final_name(name: str) -> str:
+    """The name a folder will have: `atomic_dir` writes into `.NAME.tmp-XXXX` and renames it
+    (`rana finetune` saves into such a folder, so the name can be nested once)."""
+    while m := re.fullmatch(r"\.(.+)\.tmp-[^.]*", name):
+        name = m.group(1)
+    return name
 
 
 def _read_json(path: Path) -> dict | None:
@@ -303,7 +305,7 @@ def write_folder_card(folder: Path, *, name: str | None = None, source: Path | N
     if config:
         _write_text(folder / RECIPE, json.dumps(recipe_from(config), indent=2, default=float) + "\n")
     meta = {**meta, "model_type": (_read_json(source / "config.json") or {}).get("model_type")}
-    _write_text(folder / CARD, render_card(name or _folder_name(folder), meta=meta, plan=plan,
+    _write_text(folder / CARD, render_card(_final_name(name or folder.name), meta=meta, plan=plan,
                                            evaluation=evaluation, export=export))
 
 

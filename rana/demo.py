@@ -54,10 +54,11 @@ def _progress(console):
 
 
 class _LineProgress:
-    """Progress for logs / CI (no terminal): a line at the start and end of each stage."""
+    """Progress for logs / CI (no terminal): one line per stage when it starts, then at most
+    every 15 s while it runs, and when it ends."""
 
     def __init__(self, console):
-        self.console, self.started = console, set()
+        self.console, self.last = console, {}
 
     def __enter__(self):
         return self
@@ -66,11 +67,15 @@ class _LineProgress:
         return None
 
     def __call__(self, what, done, total):
-        if what not in self.started:
-            self.started.add(what)
+        now = time.perf_counter()
+        if what not in self.last:
+            self.last[what] = now
             self.console.print(f"  … {what}", highlight=False)
-        if total is not None and done == total:
-            self.console.print(f"  ✓ {what} ({done}/{total})", highlight=False)
+        finished = total is not None and done == total
+        if finished or now - self.last[what] >= 15:
+            self.last[what] = now
+            self.console.print(f"  {'✓' if finished else '…'} {what} {done}/{total if total is not None else '?'}",
+                               highlight=False)
 
 
 def run(args: argparse.Namespace) -> dict:

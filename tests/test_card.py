@@ -56,7 +56,7 @@ def test_card_front_matter_summary_numbers_and_usage(compressed):
     assert f"{plan['measured_flops']:.4f}" in card  # the measured number, not the target only
     assert "relative output error" in card and "decoder layers | 2" in card
     assert 'rana.load("tiny-rana")' in card
-    assert "rana compress --recipe recipe.json --out tiny-rana" in card
+    assert "rana compress --recipe tiny-rana/recipe.json --out tiny-rana-again" in card
 
 
 def test_recipe_holds_the_full_config(compressed):
@@ -169,3 +169,11 @@ def test_rana_load_is_top_level_and_import_stays_light(compressed):
     assert res.returncode == 0, res.stderr
     with pytest.raises(AttributeError):
         rana.no_such_thing
+
+
+def test_card_names_the_final_folder_not_the_temp_one():
+    from rana.card import _final_name
+
+    assert _final_name(".smol-ft.tmp-k2j_x9") == "smol-ft"
+    assert _final_name("..smol-ft.tmp-a1.tmp-b2") == "smol-ft"  # finetune saves inside atomic_dir's temp folder
+    assert _final_name("smol-rana") == "smol-rana" and _final_name(".hidden") == ".hidden"
