@@ -91,7 +91,7 @@ def run(args: argparse.Namespace) -> dict:
     from rana.loading import load_model
 
     console = Console(stderr=True)
-    say = lambda msg: console.print(msg, highlight=False)  # noqa: E731
+    say = lambda msg: console.print(msg, highlight=False, soft_wrap=True)  # noqa: E731
     out_console = Console()
     out = Path(args.out)
     t0 = time.perf_counter()
@@ -158,8 +158,8 @@ def run(args: argparse.Namespace) -> dict:
         "timings_s": timings,
     }
     print_wide(out_console, eval_table(results))
-    out_console.print(f"protocol: {results['protocol']}", highlight=False)
-    out_console.print(f"latency: {results['latency_protocol']}", highlight=False)
+    out_console.print(f"protocol: {results['protocol']}", highlight=False, soft_wrap=True)
+    out_console.print(f"latency: {results['latency_protocol']}", highlight=False, soft_wrap=True)
     (out / "results.json").write_text(json.dumps(results, indent=2, default=float) + "\n")
     add_evaluation(folder, results)
     figure = plot_demo(results, plan, out / "demo.png")
@@ -171,12 +171,12 @@ def run(args: argparse.Namespace) -> dict:
         f"\n[bold]{args.model}[/] at target F = {args.flops}: measured FLOPs {row['flops']['fraction']:.4f} of dense on "
         f"{row['flops']['tokens']} held-out tokens; perplexity {d_ppl:.2f} → {c_ppl:.2f}; time per decoded token "
         f"{lat['latency_ratio']:.3f}× dense ({lat['tokens_per_s']:.1f} vs {lat['dense_tokens_per_s']:.1f} tok/s).",
-        highlight=False)
+        highlight=False, soft_wrap=True)
     out_console.print(f"\noutputs in {out}/:\n"
                       f"  {folder}/          compressed model (rana.load), model card README.md, recipe.json, plan.json\n"
                       f"  {out / 'results.json'}    the numbers above\n"
                       f"  {figure}        plot\n"
-                      f"timings (s): {', '.join(f'{k} {v}' for k, v in timings.items())}", highlight=False)
+                      f"timings (s): {', '.join(f'{k} {v}' for k, v in timings.items())}", highlight=False, soft_wrap=True)
     return results
 
 
@@ -243,6 +243,7 @@ def plot_demo(results: dict, plan: dict, path: Path) -> Path:
 
 def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("HF_HUB_OFFLINE", "1")  # everything the demo needs is local (read at hub import)
+    os.environ.setdefault("TQDM_DISABLE", "1")  # transformers' GGUF conversion bar (plain tqdm, read at import)
     from rana.cli.common import friendly, setup_environment
 
     setup_environment()
