@@ -40,14 +40,38 @@ def plan_table(plan: dict) -> Table:
     return t
 
 
+def _with_recipe(ctx: typer.Context, options: dict, recipe: Optional[Path]) -> dict:
+    """The settings to run: without a recipe the options as given; with one, the recipe's
+    values overridden by the options actually typed on the command line."""
+    if recipe is None:
+        if options["model"] is None:
+            raise ValueError("missing MODEL: pass a model (alias, hub id, folder or .gguf) or --recipe FILE")
+        return options
+    from rana.card import load_recipe
+
+    settings = load_recipe(recipe)
+    # by name: typer may ship its own copy of click's ParameterSource enum
+    explicit = {k: v for k, v in options.items()
+                if getattr(ctx.get_parameter_source(k), "name", None) in ("COMMANDLINE", "ENVIRONMENT", "PROMPT")}
+    settings.update(explicit)
+    if not settings.get("model"):
+        raise ValueError(f"recipe {recipe} names no model: pass MODEL")
+    return settings
+
+
 def register(app: typer.Typer) -> None:
     @app.command("compress")
     @friendly
     def compress(
-        model: str = typer.Argument(..., help="alias (smollm2-135m, llama2-7b, …), hub id, local folder or .gguf file"),
+        ctx: typer.Context,
+        model: Optional[str] = typer.Argument(None, help="alias (smollm2-135m, llama2-7b, …), hub id, local folder or .gguf file "
+                                              "(may be omitted with --recipe)"),
         flops: float = typer.Option(0.58, "--flops", help="fraction of the dense model's per-token FLOPs to keep, in (0, 1]"),
         out: Path = typer.Option(..., "--out", "-o", help="output folder (must not exist unless --overwrite)"),
         method: str = typer.Option("rana", help="rana | rana-paper | cats | svd | teal (ablations: rana-contrib, rana-mixed, rana-wina)"),
+        allocation: str = typer.Option("uniform", help="FLOP allocation across layers: uniform (paper) | global (by measured sensitivity)"),
+        recipe: Optional[Path] = typer.Option(None, "--recipe", help="re-run a recipe.json (or the folder holding one) written with "
+                                              "every compressed model; options given here override its values"),
         dataset: Optional[str] = typer.Option(None, help="calibration text: hub dataset name or local .txt/.jsonl/.parquet file or folder (default: bundled corpus)"),
         dataset_config: Optional[str] = typer.Option(None, help="hub dataset config name"),
         split: str = typer.Option("train", help="hub dataset split"),
@@ -74,21 +98,23 @@ def register(app: typer.Typer) -> None:
 
         if out.exists() and not overwrite:
             raise OutputExistsError(f"output folder '{out}' already exists; choose another --out or pass --overwrite")
-        inputs = model_inputs(model) + local_inputs(dataset)
+        options = dict(model=model, flops=flops, method=method, allocation=allocation, dataset=dataset,
+                       dataset_config=dataset_config, split=split, text_column=text_column, calib_tokens=calib_tokens,
+                       seq_len=seq_len, batch_size=batch_size, dtype=dtype, device=device, grid_step=grid_step, seed=seed,
+                       max_memory=max_memory, offload_dir=str(offload_dir) if offload_dir else None)
+        config = CompressConfig(**_with_recipe(ctx, options, recipe))
+        config.validate()
+        offload_dir = Path(config.offload_dir) if config.offload_dir else None
+        inputs = model_inputs(config.model) + local_inputs(config.dataset)
         check_output(out, inputs, overwrite=overwrite)
         check_work_dir(offload_dir, inputs, "--offload-dir", outputs=[out])
         if "." in out.name:
             console.print(f"[yellow]note:[/] '{out.name}' contains a '.', which breaks `rana export` remote-code loading; "
                           "prefer names without dots")
-        config = CompressConfig(model=model, flops=flops, method=method, dataset=dataset, dataset_config=dataset_config,
-                                split=split, text_column=text_column, calib_tokens=calib_tokens, seq_len=seq_len,
-                                batch_size=batch_size, dtype=dtype, device=device, grid_step=grid_step, seed=seed,
-                                max_memory=max_memory, offload_dir=str(offload_dir) if offload_dir else None)
-        config.validate()
-        resolve(model, dense=True)  # fail fast on an unknown model (or a rana folder), before any work starts
-        check_inputs(model, seq_len=seq_len, out=out, data=[dataset], data_option="--dataset",
-                     offload_dir=offload_dir)  # fail fast, before any work starts
-        with LazyProgress(f"compressing {model}") as progress:
+        resolve(config.model, dense=True)  # fail fast on an unknown model (or a rana folder), before any work starts
+        check_inputs(config.model, seq_len=config.seq_len, out=out, data=[config.dataset], data_option="--dataset",
+                     offload_dir=offload_dir)  # before any work starts
+        with LazyProgress(f"compressing {config.model}") as progress:
             result = run(config, progress=progress)
         from rana.distributed import is_main_process
 

@@ -16,6 +16,8 @@ from pathlib import Path
 import torch
 
 BUNDLED_CORPUS = Path(__file__).parent / "assets" / "pydoc_sample.txt"
+# held-out text for demos and checks: other Python-docs pages (the tutorial), never calibrated on
+BUNDLED_HELDOUT = Path(__file__).parent / "assets" / "pydoc_heldout_sample.txt"
 
 # file suffix -> datasets packaged builder that reads it
 _BUILDERS: dict[str, str] = {

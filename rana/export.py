@@ -37,6 +37,7 @@ from pathlib import Path
 
 from .archs import base as _archs_base
 from .archs import get_arch
+from .card import write_export_card
 
 TEMPLATE_DIR = Path(__file__).parent / "export_template"
 CONFIG_FILE = "configuration_rana.py"
@@ -374,6 +375,7 @@ def export(src_dir: str | Path, out_dir: str | Path, *, overwrite: bool = False,
             (tmp / name).write_text(text, encoding="utf-8")
         config = exported_config(meta, model.config, type(model))
         (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+        write_export_card(tmp, src, out.name)  # README.md (model card, library transformers) + recipe.json
     return out
 
 

@@ -20,6 +20,7 @@ import torch.nn as nn
 from safetensors.torch import load_file, save_file
 
 from .archs import get_arch, set_submodule
+from .card import write_folder_card
 from .config import FORMAT_VERSION, write_json
 from .modules import (CatsActivation, InputSparseLinear, NeuronThresholdLinear, RankAdapterLinear, RankSliceLinear,
                       SharedRankCode)
@@ -155,6 +156,7 @@ def save(model: nn.Module, tokenizer, out: Path, *, plan: dict | None = None, ex
                                        "adapters": adapters, **(extra or {})})
         if plan is not None:
             write_json(tmp / PLAN, plan)
+        write_folder_card(tmp, name=out.name)  # README.md (model card) + recipe.json
     return out
 
 

