@@ -93,6 +93,7 @@ def register(app: typer.Typer) -> None:
         from rana.compress import compress as run
         from rana.config import CompressConfig
         from rana.io import OutputExistsError, save
+        from rana.loading import resolve
 
         from rana.paths import check_output, check_work_dir, local_inputs, model_inputs, written_files
 
