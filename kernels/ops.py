@@ -75,39 +75,54 @@ def masked_gemv_impl(w_t: torch.Tensor, v: torch.Tensor, threshold: torch.Tensor
 # --------------------------------------------------------------------------------------------
 # ops
 # --------------------------------------------------------------------------------------------
-@torch.library.custom_op("rana::masked_gemv", mutates_args=())
-def masked_gemv_op(w_t: torch.Tensor, v: torch.Tensor, threshold: torch.Tensor, mode: str,
-                   scale: Optional[torch.Tensor], bias: Optional[torch.Tensor]) -> torch.Tensor:
+def _registered(name: str) -> bool:
+    """Whether rana::<name> exists already: the rana package and every exported model loaded in this
+    process ship a copy of this file, and an op can be defined once per process (the copies are
+    the same code, so the first definition serves all)."""
+    try:
+        getattr(torch.ops.rana, name)
+    except (AttributeError, RuntimeError):
+        return False
+    return True
+
+
+def _masked_gemv_op(w_t: torch.Tensor, v: torch.Tensor, threshold: torch.Tensor, mode: str,
+                    scale: Optional[torch.Tensor], bias: Optional[torch.Tensor]) -> torch.Tensor:
     return masked_gemv_impl(w_t, v, threshold, mode, scale, bias)
 
 
-@masked_gemv_op.register_fake
 def _masked_gemv_fake(w_t, v, threshold, mode, scale, bias):
     return v.new_empty((*v.shape[:-1], w_t.shape[1]))
 
 
-@torch.library.custom_op("rana::masked_gemv_grouped", mutates_args=())
-def masked_gemv_grouped_op(vs: Sequence[torch.Tensor], w_ts: Sequence[torch.Tensor],
-                           thresholds: Sequence[torch.Tensor], mode: str,
-                           scales: Sequence[Optional[torch.Tensor]],
-                           biases: Sequence[Optional[torch.Tensor]]) -> torch.Tensor:
+def _masked_gemv_grouped_op(vs: Sequence[torch.Tensor], w_ts: Sequence[torch.Tensor],
+                            thresholds: Sequence[torch.Tensor], mode: str,
+                            scales: Sequence[Optional[torch.Tensor]],
+                            biases: Sequence[Optional[torch.Tensor]]) -> torch.Tensor:
     return torch.cat([masked_gemv_impl(w, v, t, mode, s, b).reshape(-1)
                       for v, w, t, s, b in zip(vs, w_ts, thresholds, scales, biases)])
 
 
-@masked_gemv_grouped_op.register_fake
 def _masked_gemv_grouped_fake(vs, w_ts, thresholds, mode, scales, biases):
     return vs[0].new_empty((sum(w.shape[1] for w in w_ts),))
 
 
-if HAS_TRITON:
-    @torch.library.triton_op("rana::masked_gemv_triton", mutates_args=())
-    def masked_gemv_triton_op(vs: Sequence[torch.Tensor], w_ts: Sequence[torch.Tensor],
-                              thresholds: Sequence[torch.Tensor], mode: str,
-                              scales: Sequence[Optional[torch.Tensor]], biases: Sequence[Optional[torch.Tensor]],
-                              sparsity_bin: int) -> torch.Tensor:
-        return grouped_masked_gemv_triton(list(vs), list(w_ts), list(thresholds), mode, list(scales), list(biases),
-                                          sparsity_bin, wrap=torch.library.wrap_triton)
+def _masked_gemv_triton_op(vs: Sequence[torch.Tensor], w_ts: Sequence[torch.Tensor],
+                           thresholds: Sequence[torch.Tensor], mode: str,
+                           scales: Sequence[Optional[torch.Tensor]], biases: Sequence[Optional[torch.Tensor]],
+                           sparsity_bin: int) -> torch.Tensor:
+    return grouped_masked_gemv_triton(list(vs), list(w_ts), list(thresholds), mode, list(scales), list(biases),
+                                      sparsity_bin, wrap=torch.library.wrap_triton)
+
+
+if not _registered("masked_gemv"):
+    torch.library.custom_op("rana::masked_gemv", _masked_gemv_op, mutates_args=()).register_fake(_masked_gemv_fake)
+if not _registered("masked_gemv_grouped"):
+    torch.library.custom_op("rana::masked_gemv_grouped", _masked_gemv_grouped_op,
+                            mutates_args=()).register_fake(_masked_gemv_grouped_fake)
+if HAS_TRITON and not _registered("masked_gemv_triton"):
+    # triton_op: torch.compile traces into the launches (wrap_triton) and derives the fake itself
+    torch.library.triton_op("rana::masked_gemv_triton", _masked_gemv_triton_op, mutates_args=())
 
 OP_NAMES = ("rana::masked_gemv", "rana::masked_gemv_grouped") + (("rana::masked_gemv_triton",) if HAS_TRITON else ())
 

@@ -274,6 +274,12 @@ def tune(vs, w_ts, thresholds, mode: str, scales, biases, sbin: int, repeats: in
 # --------------------------------------------------------------------------------------------
 # launch
 # --------------------------------------------------------------------------------------------
+def _is_fake(t: torch.Tensor) -> bool:
+    from torch._subclasses.fake_tensor import FakeTensor
+
+    return isinstance(t, FakeTensor)
+
+
 def _check_group(vs, w_ts, thresholds, scales, biases, mode: str) -> None:
     g = len(w_ts)
     if not 1 <= g <= MAX_GROUPS or not (len(vs) == len(thresholds) == len(scales) == len(biases) == g):
@@ -311,6 +317,8 @@ def _launch(vs, w_ts, thresholds, mode: str, scales, biases, cfg: GemvConfig, wr
     k_p, n_p = pad(ks, 0), pad(ns, 0)
     out = torch.empty(n_total, dtype=dtype, device=device)
     target = out if split == 1 else torch.empty(split, n_total, dtype=torch.float32, device=device)
+    if wrap is not None and interpreting() and _is_fake(out):
+        return out  # fake tracing under the interpreter: it would run the kernel on meta storage
     grid = (sum(nbs), split)
     partial[grid](w_p[0], v_p[0], t_p[0], s_p[0], b_p[0], w_p[1], v_p[1], t_p[1], s_p[1], b_p[1],
                   w_p[2], v_p[2], t_p[2], s_p[2], b_p[2], target,
