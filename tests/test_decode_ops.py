@@ -14,15 +14,13 @@ from pathlib import Path
 
 import pytest
 import torch
-from transformers import StaticCache
 
+from decode_harness import compiled_matches
 from helpers import tiny_model
 from rana.kernels import ops
 from rana.modules import CatsActivation, InputSparseLinear, NeuronThresholdLinear, RankAdapterLinear, SharedRankCode
 
 REPO = Path(__file__).resolve().parents[1]
-PROMPT = torch.tensor([[5, 17, 99, 3, 42, 8]])
-STEPS = 5
 
 
 # ------------------------------------------------------------------------------------------- opcheck
@@ -158,82 +156,65 @@ def test_opcheck_triton_op_cuda(dtype):
 
 
 # ------------------------------------------------------------------------ compiled decode on CPU
-def greedy_static(model, step):
-    """Prefill eagerly, then STEPS single-token steps through `step` with a fresh StaticCache."""
-    cache = StaticCache(config=model.config, max_cache_len=32)
-    n = PROMPT.shape[1]
-    with torch.no_grad():
-        out = model(PROMPT, past_key_values=cache, use_cache=True, cache_position=torch.arange(n))
-        tok, tokens, logits = out.logits[:, -1:].argmax(-1), [], []
-        for i in range(STEPS):
-            pos = n + i
-            step_logits = step(model, tok, cache, torch.tensor([pos]), torch.ones(1, pos + 1, dtype=torch.long))
-            logits.append(step_logits)
-            tok = step_logits[:, -1:].argmax(-1)
-            tokens.append(tok)
-    return torch.cat(logits, 1), torch.cat(tokens, 1)
-
-
-def decode_step(model, tok, cache, pos, mask):
-    return model(tok, attention_mask=mask, past_key_values=cache, use_cache=True, cache_position=pos).logits
-
-
-def compiled_matches(model, backend="eager") -> set[str]:
-    """Compile the decode step with fullgraph=True; assert eager logits/tokens; return the rana ops traced."""
-    ref_logits, ref_tokens = greedy_static(model, decode_step)
-    seen: set[str] = set()
-
-    def recording(gm, example_inputs):
-        seen.update(str(n.target).removesuffix(".default") for n in gm.graph.nodes if "rana" in str(n.target))
-        if backend == "eager":
-            return gm.forward
-        return torch._dynamo.lookup_backend(backend)(gm, example_inputs)
-
-    torch._dynamo.reset()
-    step = torch.compile(decode_step, fullgraph=True, backend=recording)
-    logits, tokens = greedy_static(model, step)
-    torch._dynamo.reset()
-    scale = float(ref_logits.abs().max())
-    assert float((logits - ref_logits).abs().max()) <= 1e-5 * scale
-    assert torch.equal(tokens, ref_tokens)
-    return seen
-
-
-def rana_adapted(arch="llama"):
+def rana_adapted():
+    """Every adapter kind in one tiny llama: shared rank code + q/k/v slices, rank adapters (gate/up),
+    neuron thresholding (down), TEAL input sparsity (o), and CATS on the last layer's activation."""
     from test_export import adapt_like_rana
 
-    model = tiny_model(arch)
+    model = tiny_model("llama")
     calib = torch.randint(0, 128, (2, 24), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         adapt_like_rana(model, calib)
+    mlp = model.model.layers[-1].mlp
+    mlp.act_fn = CatsActivation(mlp.act_fn, 0.05, model.config.hidden_size, model.config.intermediate_size)
     return model.eval()
 
 
-def test_compiled_decode_every_rana_adapter():
+def test_compiled_decode_every_adapter_kind():
+    """Inductor (the backend of the static-cache harness; its AOT pass also checks the fake
+    implementations against functionalisation) runs the ops inside generated code."""
     model = rana_adapted()
     kinds = {type(m) for m in model.modules()}
-    assert {SharedRankCode, RankAdapterLinear, NeuronThresholdLinear, InputSparseLinear} <= kinds
-    seen = compiled_matches(model, backend="aot_eager")
+    assert {SharedRankCode, RankAdapterLinear, NeuronThresholdLinear, InputSparseLinear, CatsActivation} <= kinds
+    seen = compiled_matches(model, backend="inductor")
     assert seen == {"rana.masked_gemv", "rana.masked_gemv_grouped"}, seen
 
 
-@pytest.mark.parametrize("method", ["cats", "teal", "rana"])
-def test_compiled_decode_compressed(method):
-    from helpers import tiny_calibration, tiny_compress_config
-    from rana.compress import compress_model
 
-    model = tiny_model("qwen2" if method == "rana" else "llama")
-    compress_model(model, None, tiny_compress_config(method=method, calib_tokens=512), tiny_calibration(16, 4))
-    model.eval()
-    kinds = {type(m) for m in model.modules()}
+# ------------------------------------------------------------------ exported model, fresh process
+EXPORTED = textwrap.dedent(r'''
+    import importlib.abc, json, sys
+    folder, out, helpers = sys.argv[1], sys.argv[2], sys.argv[3]
+    sys.meta_path[:] = [f for f in sys.meta_path if not getattr(f, "__module__", "").startswith("__editable__")]
+
+    class Block(importlib.abc.MetaPathFinder):  # as on a CPU machine without rana or triton
+        def find_spec(self, name, path=None, target=None):
+            if name.split(".")[0] in ("rana", "triton"):
+                raise ModuleNotFoundError(name)
+
+    sys.meta_path.insert(0, Block())
+    sys.path.insert(0, helpers)
+    import torch
+    from transformers import AutoModelForCausalLM
+    from decode_harness import compiled_matches
+
+    model = AutoModelForCausalLM.from_pretrained(folder, trust_remote_code=True).eval()
     seen = compiled_matches(model)
-    if method == "cats":
-        assert CatsActivation in kinds and not seen  # plain torch ops
-    else:
-        assert seen, kinds
+    assert not any(m.split(".")[0] in ("rana", "triton") for m in sys.modules), "rana or triton imported"
+    json.dump(sorted(seen), open(out, "w"))
+''')
 
 
-def test_compiled_decode_inductor():
-    """The same decode step through inductor: the ops run inside generated code."""
-    seen = compiled_matches(rana_adapted(), backend="inductor")
-    assert seen == {"rana.masked_gemv", "rana.masked_gemv_grouped"}, seen
+def test_exported_model_compiles_in_fresh_process(tmp_path):
+    from test_export import isolated_env, save_rana
+    from rana.export import export
+
+    src, out = tmp_path / "src_rana", tmp_path / "exported"
+    save_rana(rana_adapted(), src)
+    export(src, out)
+    script, result = tmp_path / "compile_export.py", tmp_path / "seen.json"
+    script.write_text(EXPORTED)
+    proc = subprocess.run([sys.executable, "-I", str(script), str(out), str(result), str(Path(__file__).parent)],
+                          cwd=tmp_path, env=isolated_env(tmp_path), capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-6000:]
+    assert json.loads(result.read_text()) == ["rana.masked_gemv", "rana.masked_gemv_grouped"]
