@@ -152,3 +152,21 @@ class RankSliceLinear(nn.Module):
                 return y
         z, mask = code.code(x)
         return self.A(z * mask)
+
+
+def relink_shared_codes(root: nn.Module) -> int:
+    """Point every RankSliceLinear under `root` at the SharedRankCode registered beside it (same parent).
+
+    The links are weak references, which ``copy.deepcopy`` copies as they are: a deep-copied layer's
+    slices would still use the original's code. Call this on the copy. Returns the codes relinked."""
+    count = 0
+    for parent in root.modules():
+        codes = [m for m in parent.children() if isinstance(m, SharedRankCode)]
+        if len(codes) != 1:
+            continue
+        codes[0]._slices, codes[0]._decoded, codes[0]._cache = [], None, None
+        for child in parent.children():
+            if isinstance(child, RankSliceLinear):
+                child.link(codes[0])
+        count += 1
+    return count
