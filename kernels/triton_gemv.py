@@ -70,14 +70,16 @@ def triton_available() -> bool:
 # --------------------------------------------------------------------------------------------
 # kernels (built once, at import of ops.py, so no builder cache is reached inside a forward)
 # --------------------------------------------------------------------------------------------
-_KERNELS: dict = {}
+_KERNELS: dict = {}  # interpreting? -> kernels (triton.jit reads TRITON_INTERPRET when it decorates)
 
 
 def kernels():
     """(partial kernel, reduce kernel); built on first use (import time of ops.py)."""
-    if not _KERNELS:
-        _KERNELS.update(_build())
-    return _KERNELS["partial"], _KERNELS["reduce"]
+    mode = interpreting()
+    if mode not in _KERNELS:
+        _KERNELS[mode] = _build()
+    built = _KERNELS[mode]
+    return built["partial"], built["reduce"]
 
 
 def _build() -> dict:
