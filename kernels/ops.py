@@ -130,9 +130,12 @@ OP_NAMES = ("rana::masked_gemv", "rana::masked_gemv_grouped") + (("rana::masked_
 # --------------------------------------------------------------------------------------------
 # module-facing entry points
 # --------------------------------------------------------------------------------------------
+_INTERPRET = interpreting()  # read once: the eager CPU path below runs per projection per token
+
+
 def _use_triton(v: torch.Tensor) -> bool:
     """CUDA with triton; CPU tensors only under TRITON_INTERPRET=1 in eager (tests of the kernel path)."""
-    return HAS_TRITON and (v.is_cuda or (interpreting() and not torch.compiler.is_compiling()))
+    return HAS_TRITON and (v.is_cuda or (_INTERPRET and not torch.compiler.is_compiling()))
 
 
 def decode_masked(w_t: torch.Tensor, v: torch.Tensor, threshold: torch.Tensor, mode: str,
@@ -145,12 +148,14 @@ def decode_masked(w_t: torch.Tensor, v: torch.Tensor, threshold: torch.Tensor, m
             return torch.ops.rana.masked_gemv_triton([v], [w_t], [threshold], mode, [scale], [bias],
                                                      sparsity_bin).view(out_shape)
         return torch.ops.rana.masked_gemv(w_t, v, threshold, mode, scale, bias)
+    if v.is_cpu and not _INTERPRET:  # the common CPU case first: one native call, nothing else
+        if mode != "none":
+            y = masked_linear_native(w_t.t(), v, float(threshold), MODE_IDS[mode], scale, bias)
+            if y is not None:
+                return y
+        return masked_gemv_impl(w_t, v, threshold, mode, scale, bias)
     if _use_triton(v):
         return grouped_masked_gemv_triton([v], [w_t], [threshold], mode, [scale], [bias], sparsity_bin).view(out_shape)
-    if v.is_cpu and mode != "none":
-        y = masked_linear_native(w_t.t(), v, float(threshold), MODE_IDS[mode], scale, bias)
-        if y is not None:
-            return y
     return masked_gemv_impl(w_t, v, threshold, mode, scale, bias)
 
 
