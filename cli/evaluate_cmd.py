@@ -32,7 +32,7 @@ def eval_table(results: dict) -> Table:
         m = next((_task_metric(r["tasks"][task]) for r in rows if task in (r.get("tasks") or {})), None)
         cols.append(f"{task} {m[0] if m else ''}".strip())
     if any(r.get("latency") for r in rows):
-        cols += ["tok/s", "latency vs dense"]
+        cols += ["tok/s", "latency vs dense", "speed-up", "limit 1/F"]
     for c in cols:
         t.add_column(c, justify="left" if c in ("model", "method") else "right")
     for r in rows:
@@ -51,9 +51,14 @@ def eval_table(results: dict) -> Table:
         if "tok/s" in cols:
             lat = r.get("latency") or {}
             ratio = lat.get("latency_ratio")
-            cells += [f"{lat['tokens_per_s']:.1f}" if lat else "-", f"{ratio:.3f}" if ratio is not None else "-"]
+            limit = lat.get("speedup_limit")
+            cells += [f"{lat['tokens_per_s']:.1f}" if lat else "-", f"{ratio:.3f}" if ratio is not None else "-",
+                      f"{1 / ratio:.2f}x" if ratio else "-", f"{limit:.2f}x" if limit else "-"]
         t.add_row(*cells)
     paths = [x for x in dict.fromkeys((r.get("latency") or {}).get("decode_path") for r in rows) if x]
+    harness = [x for x in dict.fromkeys((r.get("latency") or {}).get("mode") for r in rows) if x]
+    if harness:
+        paths.append(f"{' / '.join(harness)} harness, dense timed the same way")
     if paths:
         t.caption = "decode path: " + "; ".join(paths)
     return t
@@ -120,6 +125,7 @@ def register(app: typer.Typer) -> None:
         dense: Optional[str] = typer.Option(None, "--dense", help="dense model for --latency / --layer-errors (default: plan.json's model)"),
         latency_tokens: int = typer.Option(64, help="tokens generated per latency run"),
         latency_repeats: int = typer.Option(5, help="timed latency runs (median)"),
+        latency_mode: str = typer.Option("auto", help="latency harness: compiled (static cache + torch.compile) | eager | auto (compiled on CUDA, eager elsewhere)"),
         layer_errors: bool = typer.Option(False, "--layer-errors", help="per-layer relative output error of QKV/o/MLP vs the dense model on the first --ppl-data text"),
         layer_error_tokens: int = typer.Option(8192, help="tokens for --layer-errors"),
         json_out: Optional[Path] = typer.Option(None, "--json", help="write machine-readable results here"),
@@ -139,6 +145,8 @@ def register(app: typer.Typer) -> None:
             raise ValueError("nothing to evaluate: pass --ppl-data FILE (perplexity + measured FLOPs), --tasks and/or --latency")
         if layer_errors and not ppl_data:
             raise ValueError("--layer-errors runs on the first --ppl-data text: pass one")
+        if latency_mode not in ("auto", "compiled", "eager"):
+            raise ValueError(f"--latency-mode must be auto, compiled or eager, got {latency_mode!r}")
         if seq_len < 2:
             raise ValueError(f"--seq-len must be at least 2, got {seq_len}")
         from rana.io import check_folder
@@ -193,6 +201,7 @@ def register(app: typer.Typer) -> None:
                                      tasks=task_list, include_path=include_path, task_data=task_data, limit=lim,
                                      num_fewshot=num_fewshot, latency=latency, dense_model=dense_model,
                                      latency_new_tokens=latency_tokens, latency_repeats=latency_repeats,
+                                     latency_mode=None if latency_mode == "auto" else latency_mode,
                                      name=ref, plan=loaded.plan, progress=progress)
                 row["reference"], row["kind"] = ref, loaded.kind
                 row["dense_reference"] = dense or loaded.dense_reference

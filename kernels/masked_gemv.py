@@ -31,10 +31,11 @@ from __future__ import annotations
 
 import functools
 import math
-import os
 
 import torch
 
+from .triton_gemv import grouped_masked_gemv_triton, interpreting as _interpreting
+from .triton_gemv import triton_available as _triton_available
 from .cpu_gemv import masked_gemv_native
 
 __all__ = [
@@ -193,129 +194,40 @@ def _all_rows(K: int) -> torch.Tensor:
 
 
 # --------------------------------------------------------------------------------------------
-# Triton kernel (built lazily so that TRITON_INTERPRET is read when first used)
+# Triton kernel (triton_gemv.py: one launch, threshold applied in the kernel, no zero-fill)
 # --------------------------------------------------------------------------------------------
-@functools.lru_cache(maxsize=None)
-def _triton():
-    """(triton, tl) or None when triton is not importable."""
-    try:
-        import triton
-        import triton.language as tl
-    except ImportError:
-        return None
-    except Exception:  # a broken install must not break importing a model
-        return None
-    return triton, tl
-
-
 def triton_available() -> bool:
     """True when triton imports (the kernel still needs CUDA tensors or TRITON_INTERPRET=1)."""
-    return _triton() is not None
-
-
-def _interpreting() -> bool:
-    return os.environ.get("TRITON_INTERPRET") == "1"
-
-
-@functools.lru_cache(maxsize=None)
-def _build_kernel(interpret: bool):
-    triton, tl = _triton()
-
-    if interpret:  # the interpreter crashes when autotuning over several configs
-        configs = [triton.Config({"BLOCK_N": 64, "BLOCK_K": 16, "K_ITERS": 2})]
-    else:
-        configs = [
-            triton.Config({"BLOCK_N": bn, "BLOCK_K": bk, "K_ITERS": it}, num_warps=nw)
-            for bn, bk, it, nw in [
-                (64, 16, 1, 2), (64, 32, 1, 2), (64, 64, 1, 4), (64, 32, 4, 4),
-                (128, 16, 1, 4), (128, 32, 1, 4), (128, 64, 1, 4), (128, 32, 4, 4), (128, 16, 8, 4),
-                (128, 64, 4, 4), (256, 16, 1, 4), (256, 32, 1, 8), (256, 32, 4, 8), (256, 64, 2, 8),
-            ]
-        ]
-
-    @triton.autotune(configs=configs, key=["K", "N", "MODE"], reset_to_zero=["y_ptr"])
-    @triton.jit
-    def kernel(w_ptr, v_ptr, scale_ptr, t_ptr, bias_ptr, y_ptr, K, N, stride_wk,
-               MODE: tl.constexpr, T_IS_PTR: tl.constexpr, HAS_BIAS: tl.constexpr,
-               BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, K_ITERS: tl.constexpr):
-        # program (pid_n, pid_k): output columns [pid_n*BLOCK_N, +BLOCK_N) summed over the input
-        # rows [pid_k*BLOCK_K*K_ITERS, +BLOCK_K*K_ITERS); partial sums meet in y by atomic add.
-        pid_n = tl.program_id(0)
-        pid_k = tl.program_id(1)
-        offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-        n_ok = offs_n < N
-        if T_IS_PTR:
-            t = tl.load(t_ptr).to(tl.float32)
-        else:
-            t = t_ptr
-        acc = tl.zeros([BLOCK_N], dtype=tl.float32)
-        k_start = pid_k * (BLOCK_K * K_ITERS)
-        for i in range(K_ITERS):
-            offs_k = k_start + i * BLOCK_K + tl.arange(0, BLOCK_K)
-            k_ok = offs_k < K
-            v = tl.load(v_ptr + offs_k, mask=k_ok, other=0.0).to(tl.float32)
-            if MODE == 1:
-                active = k_ok & (v * v >= t)
-            elif MODE == 2:
-                s = tl.load(scale_ptr + offs_k, mask=k_ok, other=0.0).to(tl.float32)
-                active = k_ok & (tl.abs(v) * s >= t)
-            elif MODE == 3:
-                active = k_ok & (tl.abs(v) >= t)
-            else:
-                active = k_ok
-            # inactive rows are masked out of the load: they cost no memory traffic
-            w_ptrs = w_ptr + offs_k[:, None].to(tl.int64) * stride_wk + offs_n[None, :]
-            w = tl.load(w_ptrs, mask=active[:, None] & n_ok[None, :], other=0.0)
-            v = tl.where(active, v, 0.0)
-            acc += tl.sum(w.to(tl.float32) * v[:, None], axis=0)
-        if HAS_BIAS:
-            if pid_k == 0:
-                acc += tl.load(bias_ptr + offs_n, mask=n_ok, other=0.0).to(tl.float32)
-        tl.atomic_add(y_ptr + offs_n, acc, mask=n_ok, sem="relaxed")
-
-    return kernel
+    return _triton_available()
 
 
 def masked_gemv_triton(w_t, v, threshold, *, mode: str, scale=None, bias=None) -> torch.Tensor:
     """Triton masked GEMV for one token (v of shape (K,), (1, K) or (1, 1, K)).
 
-    Grid over (N blocks, K splits); each program computes the mask for its slice of v and reads
-    only the active rows of ``w_t``, accumulating in fp32; split-K partial sums are combined
-    with fp32 atomic adds into a zeroed buffer, cast to v's dtype at the end. No host sync:
-    a tensor threshold is read inside the kernel (a CPU tensor threshold with CUDA inputs is
-    read on the host instead, which does not sync the GPU either).
+    The kernel of :mod:`triton_gemv` (the grouped kernel with one projection): each program
+    computes the mask for its slice of v and reads only the active rows of ``w_t``, accumulating in
+    fp32; see triton_gemv.py for the split-K design. No host sync: a tensor threshold is read inside
+    the kernel (a CPU tensor threshold with CUDA inputs is read on the host instead, which does not
+    sync the GPU either); a python float becomes a device scalar.
     """
     _check(w_t, v, mode, threshold, scale)
-    if _triton() is None:
+    if not _triton_available():
         raise RuntimeError("triton is not installed")
     K, N = w_t.shape
     if v.numel() != K:
         raise ValueError(f"masked_gemv_triton handles one token, got v of shape {tuple(v.shape)}")
     if not _interpreting() and not (v.is_cuda and w_t.is_cuda):
         raise ValueError("masked_gemv_triton needs CUDA tensors (or TRITON_INTERPRET=1)")
-    triton = _triton()[0]
-    if w_t.stride(1) != 1:
-        w_t = w_t.contiguous()  # a copy per call: store w_t row-major contiguous instead
-    v1 = v.reshape(K).contiguous()
-
     if _all_active(threshold):
-        mode_id, t_arg, t_is_ptr = 0, 0.0, False
+        kernel_mode, t = "none", torch.zeros((), dtype=torch.float32, device=v.device)
     else:
-        mode_id = _MODE_ID[mode]
-        if isinstance(threshold, torch.Tensor) and threshold.device == v1.device:
-            t_arg, t_is_ptr = threshold.reshape(()), True
-        else:  # python float, or a host tensor next to CUDA inputs (no GPU sync)
-            t_arg, t_is_ptr = float(threshold), False
-    scale_arg = v1 if scale is None or mode_id != 2 else scale.reshape(K).contiguous()
-    bias_arg = v1 if bias is None else bias.reshape(N).contiguous()
-
-    y = torch.zeros(N, dtype=torch.float32, device=v1.device)
-    grid = lambda meta: (triton.cdiv(N, meta["BLOCK_N"]), triton.cdiv(K, meta["BLOCK_K"] * meta["K_ITERS"]))
-    _build_kernel(_interpreting())[grid](
-        w_t, v1, scale_arg, t_arg, bias_arg, y, K, N, w_t.stride(0),
-        MODE=mode_id, T_IS_PTR=t_is_ptr, HAS_BIAS=bias is not None,
-    )
-    return y.to(v.dtype).reshape(_out_shape(v, N))
+        kernel_mode, t = mode, _threshold_like(threshold, v)
+        if not isinstance(t, torch.Tensor):
+            t = torch.full((), t, dtype=torch.float32, device=v.device)
+    s = scale.reshape(K).to(device=v.device, dtype=torch.float32) if kernel_mode == "abs_scaled" else None
+    y = grouped_masked_gemv_triton([v.reshape(K)], [w_t], [t], kernel_mode, [s],
+                                    [None if bias is None else bias.reshape(N)])
+    return y.reshape(_out_shape(v, N))
 
 
 # --------------------------------------------------------------------------------------------

@@ -272,9 +272,16 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def _time_generate(model: torch.nn.Module, ids: torch.Tensor, new_tokens: int) -> float:
-    """Seconds for one batch-1 greedy generate of exactly `new_tokens` tokens."""
-    from transformers import GenerationConfig
+LATENCY_MODES = ("eager", "compiled")
+
+
+def default_latency_mode(device: torch.device | str) -> str:
+    """compiled (static cache + torch.compile: the fast path transformers gives users) on CUDA, else eager."""
+    return "compiled" if torch.device(device).type == "cuda" else "eager"
+
+
+def _generation_config(model: torch.nn.Module, new_tokens: int, mode: str, device: torch.device):
+    from transformers import CompileConfig, GenerationConfig
 
     base = model.generation_config
     eos = base.eos_token_id
@@ -286,29 +293,61 @@ def _time_generate(model: torch.nn.Module, ids: torch.Tensor, new_tokens: int) -
         eos_token_id=eos,
         pad_token_id=base.pad_token_id if base.pad_token_id is not None else (eos if isinstance(eos, int) else 0),
     )
+    if mode == "compiled":
+        # transformers compiles the single-token decode step when the cache is static; fullgraph: a graph
+        # break in a masked module would be a bug, not a slower run. CUDA graphs on CUDA ("reduce-overhead").
+        compile_config = CompileConfig(fullgraph=True, mode="reduce-overhead" if device.type == "cuda" else "default")
+        compile_config._compile_all_devices = device.type != "cuda"  # transformers compiles on CUDA only, by default
+        config.compile_config = compile_config
+    else:
+        config.disable_compile = True
+    return config
+
+
+def _time_generate(model: torch.nn.Module, ids: torch.Tensor, new_tokens: int, mode: str = "eager") -> float:
+    """Seconds for one batch-1 greedy generate of exactly `new_tokens` tokens.
+
+    compiled: a fresh StaticCache per run (it counts its length on every call, so one cannot be reused)."""
     device = ids.device
+    config = _generation_config(model, new_tokens, mode, device)
+    kwargs = {}
+    if mode == "compiled":
+        from transformers import StaticCache
+
+        kwargs["past_key_values"] = StaticCache(config=model.config, max_cache_len=ids.shape[1] + new_tokens)
     _sync(device)
     start = time.perf_counter()
-    model.generate(ids, attention_mask=torch.ones_like(ids), generation_config=config)
+    model.generate(ids, attention_mask=torch.ones_like(ids), generation_config=config, **kwargs)
     _sync(device)
     return time.perf_counter() - start
 
 
-def _measure(models: Sequence[torch.nn.Module], ids: torch.Tensor, new_tokens: int, warmup: int, repeats: int) -> list[dict[str, Any]]:
-    """Interleave timings of several models so drift (clocks, thermals) hits all alike."""
+def _measure(models: Sequence[torch.nn.Module], ids: torch.Tensor, new_tokens: int, warmup: int, repeats: int,
+             mode: str = "eager") -> list[dict[str, Any]]:
+    """Interleave timings of several models so drift (clocks, thermals) hits all alike.
+
+    compiled: one short eager generate per model first, so the Triton kernels take their tuning
+    decisions outside compilation and CUDA-graph capture; the warmup runs then compile."""
+    if mode not in LATENCY_MODES:
+        raise ValueError(f"latency mode must be one of {LATENCY_MODES}, got {mode!r}")
     full: list[list[float]] = [[] for _ in models]
     prefill: list[list[float]] = [[] for _ in models]
     with torch.inference_mode():
-        for step in range(warmup + repeats):
+        if mode == "compiled":
+            for model in models:
+                with _eval_mode(model):
+                    _time_generate(model, ids.to(_device(model)), 2, "eager")
+        for step in range(max(warmup, 1 if mode == "compiled" else 0) + repeats):
             for i, model in enumerate(models):
                 model_ids = ids.to(_device(model))
                 with _eval_mode(model):
-                    t_full = _time_generate(model, model_ids, new_tokens)
-                    t_prefill = _time_generate(model, model_ids, 1)
-                if step >= warmup:
+                    t_full = _time_generate(model, model_ids, new_tokens, mode)
+                    t_prefill = _time_generate(model, model_ids, 1, mode)
+                if step >= max(warmup, 1 if mode == "compiled" else 0):
                     full[i].append(t_full)
                     prefill[i].append(t_prefill)
-    return [_summary(f, p, new_tokens, ids.shape[1], _device(m)) for f, p, m in zip(full, prefill, models)]
+    return [{**_summary(f, p, new_tokens, ids.shape[1], _device(m)), "mode": mode}
+            for f, p, m in zip(full, prefill, models)]
 
 
 def _summary(
@@ -337,14 +376,18 @@ def decode_latency(
     new_tokens: int = 64,
     warmup: int = 2,
     repeats: int = 5,
+    mode: str | None = None,
 ) -> dict[str, Any]:
     """Batch-1 greedy generation speed (median of `repeats` after `warmup` runs).
+
+    `mode`: "eager" (generate, dynamic cache) or "compiled" (generate with a fresh StaticCache per run,
+    transformers compiling the decode step); default :func:`default_latency_mode` of the model's device.
 
     `tokens_per_s` is end to end (prefill + `new_tokens` steps); `decode_tokens_per_s`
     subtracts a 1-token generate to isolate the per-token decode cost.
     """
     ids = _prompt_ids(tokenizer_or_prompt_ids, prompt)
-    return _measure([model], ids, new_tokens, warmup, repeats)[0]
+    return _measure([model], ids, new_tokens, warmup, repeats, mode or default_latency_mode(_device(model)))[0]
 
 
 def latency_ratio(
@@ -356,14 +399,17 @@ def latency_ratio(
     new_tokens: int = 64,
     warmup: int = 2,
     repeats: int = 5,
+    mode: str | None = None,
 ) -> dict[str, Any]:
-    """Compressed vs dense decode speed, timed interleaved in the same run.
+    """Compressed vs dense decode speed, timed interleaved in the same run under the same harness (`mode`,
+    as in :func:`decode_latency`).
 
     `latency_ratio` = compressed / dense seconds per generated token (< 1 is faster);
     `speedup` is its inverse. The `decode_` variants exclude prefill.
     """
     ids = _prompt_ids(tokenizer_or_prompt_ids, prompt)
-    ours, dense = _measure([model, dense_model], ids, new_tokens, warmup, repeats)
+    mode = mode or default_latency_mode(_device(model))
+    ours, dense = _measure([model, dense_model], ids, new_tokens, warmup, repeats, mode)
     ratio = dense["tokens_per_s"] / ours["tokens_per_s"]
     decode_ratio = dense["decode_tokens_per_s"] / ours["decode_tokens_per_s"]
     return {
@@ -374,6 +420,7 @@ def latency_ratio(
         "decode_tokens_per_s": ours["decode_tokens_per_s"],
         "dense_decode_tokens_per_s": dense["decode_tokens_per_s"],
         "decode_latency_ratio": decode_ratio,
+        "mode": mode,
         "model": ours,
         "dense": dense,
     }

@@ -231,6 +231,7 @@ def evaluate_model(
     latency_new_tokens: int = 64,
     latency_repeats: int = 5,
     latency_warmup: int = 2,
+    latency_mode: str | None = None,
     name: str | None = None,
     plan: dict | None = None,
     progress: Progress | None = None,
@@ -246,8 +247,10 @@ def evaluate_model(
       (attention products counted at `seq_len` context, method.md §3), overall and per text.
     - `tasks`: lm-eval task names; `include_path` adds task YAMLs, `task_data` renders the
       bundled offline `*_local` tasks from that data folder.
-    - `latency`: batch-1 decode speed; with `dense_model`, timed interleaved with it and
-      reported as a ratio.
+    - `latency`: batch-1 decode speed; with `dense_model`, timed interleaved with it under the same
+      harness (`latency_mode`: "compiled" = static cache + torch.compile, "eager"; default compiled on
+      CUDA, eager elsewhere) and reported as a ratio, next to the measured FLOP fraction F (when
+      perplexity was measured) and the memory-bound limit 1/F of the speed-up.
     """
     result: dict[str, Any] = {"name": name, "seq_len": seq_len, "max_tokens_per_text": max_tokens}
     if plan:
@@ -299,7 +302,10 @@ def evaluate_model(
             progress("lm-eval tasks", 1, 1)
     if latency:
         result["latency"] = measure_latency(model, tokenizer, dense_model, new_tokens=latency_new_tokens,
-                                            repeats=latency_repeats, warmup=latency_warmup)
+                                            repeats=latency_repeats, warmup=latency_warmup, mode=latency_mode)
+        fraction = (result.get("flops") or {}).get("fraction")
+        result["latency"]["flops_fraction"] = fraction
+        result["latency"]["speedup_limit"] = 1.0 / fraction if fraction else None
     return result
 
 
@@ -311,20 +317,23 @@ def ppl_protocol(seq_len: int, max_tokens: int | None) -> str:
 
 
 def measure_latency(model: nn.Module, tokenizer, dense_model: nn.Module | None = None, *, new_tokens: int = 64,
-                    repeats: int = 5, warmup: int = 2) -> dict:
-    """Batch-1 decode tokens/s; against `dense_model` (timed interleaved) as a ratio.
+                    repeats: int = 5, warmup: int = 2, mode: str | None = None) -> dict:
+    """Batch-1 decode tokens/s; against `dense_model` (timed interleaved, same harness) as a ratio.
 
     `decode_path` says which masked-GEMV path produced the numbers (they differ by device,
     thread count and whether the native CPU kernel could be built here)."""
-    from .evaluate import decode_latency, latency_ratio
+    from .evaluate import decode_latency, default_latency_mode, latency_ratio
 
+    mode = mode or default_latency_mode(next(model.parameters()).device)
     if dense_model is None or dense_model is model:
-        r = decode_latency(model, tokenizer, new_tokens=new_tokens, warmup=warmup, repeats=repeats)
+        r = decode_latency(model, tokenizer, new_tokens=new_tokens, warmup=warmup, repeats=repeats, mode=mode)
         out = {"tokens_per_s": r["tokens_per_s"], "decode_tokens_per_s": r["decode_tokens_per_s"], "model": r}
         if dense_model is model:
             out.update(dense_tokens_per_s=r["tokens_per_s"], latency_ratio=1.0, speedup=1.0, decode_latency_ratio=1.0)
     else:
-        out = latency_ratio(model, dense_model, tokenizer, new_tokens=new_tokens, warmup=warmup, repeats=repeats)
+        out = latency_ratio(model, dense_model, tokenizer, new_tokens=new_tokens, warmup=warmup, repeats=repeats,
+                            mode=mode)
+    out["mode"] = mode
     out["decode_path"] = decode_path(model)
     return out
 
@@ -336,7 +345,8 @@ def decode_path(model: nn.Module) -> str:
 
     device = next(model.parameters()).device
     if device.type == "cuda":
-        return "CUDA: " + ("Triton masked-GEMV kernels" if triton_available() else "dense masked product (no triton)")
+        return "CUDA: " + ("Triton masked-GEMV kernels (rana::masked_gemv_triton)" if triton_available()
+                           else "dense masked product (no triton)")
     if device.type == "cpu":
         return f"CPU, {torch.get_num_threads()} thread(s): {native_status()}"
     return f"{device.type}: dense masked product"

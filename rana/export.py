@@ -15,7 +15,8 @@ The output folder holds
 * the remote code: ``configuration_rana.py`` and ``modeling_rana.py`` (rendered from
   ``rana/export_template/``) and *copies of the rana sources themselves* — the adapter modules
   (``common.py``, ``rank_linear.py``, ``neuron_linear.py``, ``cats.py``), the masked-GEMV kernels
-  (``masked_gemv.py``, and ``cpu_gemv.py`` with the native CPU kernel's C source), LAuReL (``laurel.py``) and the architecture spec (``archspec.py``: the
+  (``masked_gemv.py``, ``triton_gemv.py`` (triton imported lazily and optionally), ``ops.py`` (the
+  torch.library ops the modules decode through) and ``cpu_gemv.py`` with the native CPU kernel's C source), LAuReL (``laurel.py``) and the architecture spec (``archspec.py``: the
   ``ArchSpec`` machinery of ``rana.archs.base`` plus this model's spec) — with their imports of one
   another rewritten to flat relative imports (``from ..kernels.masked_gemv import`` → ``from
   .masked_gemv import``, ``from rana.archs import`` → ``from .archspec import``), so the same code
@@ -47,6 +48,8 @@ MODELING_FILE = "modeling_rana.py"
 SHIPPED_MODULES: dict[str, str] = {
     "rana.kernels.masked_gemv": "masked_gemv",
     "rana.kernels.cpu_gemv": "cpu_gemv",
+    "rana.kernels.triton_gemv": "triton_gemv",
+    "rana.kernels.ops": "ops",
     "rana.modules.common": "common",
     "rana.modules.rank_linear": "rank_linear",
     "rana.modules.neuron_linear": "neuron_linear",

@@ -141,6 +141,44 @@ def test_latency_ratio_reports_both_models(model):
     assert result["model"]["prompt_tokens"] == result["dense"]["prompt_tokens"] == 10
 
 
+def test_compiled_latency_harness(model, monkeypatch):
+    """mode="compiled": every generate gets its own fresh StaticCache and a fullgraph compile config, and
+    transformers really compiles the decode step (here with the cheap eager backend)."""
+    import rana.evaluate as ev
+    from torch._dynamo.utils import counters
+    from transformers import StaticCache
+
+    configs, caches = [], []
+    make = ev._generation_config
+
+    def eager_backend(*args):
+        config = make(*args)
+        if config.compile_config is not None:
+            config.compile_config.backend = "eager"
+        configs.append(config)
+        return config
+
+    generate = model.generate
+
+    def spy(ids, **kwargs):
+        caches.append(kwargs.get("past_key_values"))
+        return generate(ids, **kwargs)
+
+    monkeypatch.setattr(ev, "_generation_config", eager_backend)
+    monkeypatch.setattr(model, "generate", spy)
+    torch._dynamo.reset()
+    counters.clear()
+    result = latency_ratio(model, model, torch.arange(6), new_tokens=3, warmup=0, repeats=1, mode="compiled")
+    assert result["mode"] == "compiled" and result["tokens_per_s"] > 0
+    timed = [c for c, cfg in zip(caches, configs) if cfg.compile_config is not None]
+    assert timed and all(isinstance(c, StaticCache) for c in timed) and len({id(c) for c in timed}) == len(timed)
+    assert all(cfg.compile_config.fullgraph for cfg in configs if cfg.compile_config is not None)
+    assert counters["stats"]["unique_graphs"] >= 1  # the decode step was compiled
+    torch._dynamo.reset()
+    with pytest.raises(ValueError, match="latency mode"):
+        latency_ratio(model, model, torch.arange(6), new_tokens=2, warmup=0, repeats=1, mode="fast")
+
+
 # --------------------------------------------------------------------------- real model
 
 

@@ -175,6 +175,9 @@ def test_eval_cli_writes_json_with_ppl_and_flops(eval_setup, tmp_path, monkeypat
         assert row["flops"]["tokens"] == r["windows"] * 64
         assert row["latency"]["tokens_per_s"] > 0
         assert row["latency"]["decode_path"].startswith("CPU")
+        assert row["latency"]["mode"] == "eager"  # the default off CUDA
+        assert row["latency"]["flops_fraction"] == row["flops"]["fraction"]
+        assert row["latency"]["speedup_limit"] == pytest.approx(1 / row["flops"]["fraction"])
         assert row["tasks"]["lambada_openai_local"]["acc"] == 0.25
     assert 0.5 < teal["flops"]["fraction"] < 0.95 and dense["flops"]["fraction"] == 1.0
     assert teal["flops"]["gflops_per_token"] < dense["flops"]["gflops_per_token"]
@@ -182,6 +185,7 @@ def test_eval_cli_writes_json_with_ppl_and_flops(eval_setup, tmp_path, monkeypat
     assert all(e["attention_adapted"] and e["o_adapted"] and e["attention"] > 0 for e in teal["layer_errors"])
     assert "non-overlapping 64-token windows" in data["protocol"]
     assert "decode path: CPU" in res.output  # the table says which masked-GEMV path was timed
+    assert "eager harness, dense timed the same way" in res.output and "limit 1/F" in res.output
     assert calls[0][1]["data_dir"] == tmp_path and calls[0][1]["limit"] == 2
     assert "rana eval" in res.output
 

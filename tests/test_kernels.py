@@ -298,7 +298,7 @@ def test_imports_and_runs_without_triton(tmp_path):
     flat = tmp_path / "flatpkg"
     flat.mkdir()
     (flat / "__init__.py").write_text("")
-    for name in ("masked_gemv.py", "cpu_gemv.py"):
+    for name in ("masked_gemv.py", "cpu_gemv.py", "triton_gemv.py"):
         (flat / name).write_text((KERNEL_FILE.parent / name).read_text())
     code = f"""
 import importlib, sys

@@ -5,7 +5,8 @@ stock model, then swaps in empty RaNA adapters of the shapes recorded in ``confi
 at the recorded module paths (and adds LAuReL residuals when ``config.rana_laurel`` is set), so
 ``from_pretrained`` loads every weight, threshold and LAuReL parameter by its ordinary state-dict
 key. The adapter modules (``rank_linear.py``, ``neuron_linear.py``, ``cats.py``, ``common.py``),
-the masked-GEMV kernels (``masked_gemv.py``; ``cpu_gemv.py``, whose C source is compiled on first
+the masked-GEMV kernels and their torch.library ops (``masked_gemv.py``, ``triton_gemv.py``,
+``ops.py``; ``cpu_gemv.py``, whose C source is compiled on first
 CPU decode when a C compiler exists, else torch ops run) and LAuReL (``laurel.py``) are copies of
 the `rana` package's own sources, shipped next to this file.
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 import torch
 import torch.nn as nn
 
-from ..kernels.cpu_gemv import masked_linear_native
+from ..kernels.ops import decode_masked
 
 
 def column_major_linear(weight: torch.Tensor, bias: torch.Tensor | None = None) -> nn.Linear:
@@ -28,18 +28,24 @@ def plain_linear(layer: nn.Module) -> bool:
     return type(layer) is nn.Linear
 
 
-def native_decode(layer: nn.Module, x: torch.Tensor, threshold: torch.Tensor, mode_id: int,
+def decode_linear(layer: nn.Module, x: torch.Tensor, threshold: torch.Tensor, mode: str,
                   scale: torch.Tensor | None = None) -> torch.Tensor | None:
-    """`layer(m ⊙ x)` for a CPU decode token as one native call, or None (use the torch path).
+    """`layer(m ⊙ x)` for one decode token through the masked-GEMV ops, or None (use the torch path).
 
-    Callers check `not self.training and not self.meter_on` first and pass `self._modules[...]` /
+    None for several tokens (prefill, batch > 1: the dense masked product is faster there), for a
+    peft-wrapped layer (so LoRA is never skipped) and when gradients are wanted (the ops have no
+    backward). Eagerly this is the native CPU kernel / Triton launch itself; under torch.compile the
+    registered ops (kernels/ops.py), so the decode step traces without a graph break. Callers check
+    `not self.training and not self.meter_on` first and pass `self._modules[...]` /
     `self._buffers[...]`: this runs per projection per token, and Module.__getattr__ costs ~0.6 µs.
-    A peft-wrapped layer is not a plain nn.Linear, so LoRA is never skipped.
     """
-    if not x.is_cpu or type(layer) is not nn.Linear:
+    if type(layer) is not nn.Linear or x.numel() != x.shape[-1]:
         return None
     params = layer._parameters
-    return masked_linear_native(params["weight"], x, float(threshold), mode_id, scale, params["bias"])
+    weight = params["weight"]
+    if torch.is_grad_enabled() and (weight.requires_grad or x.requires_grad):
+        return None
+    return decode_masked(weight.t(), x, threshold, mode, scale, params["bias"])
 
 
 class MacMeter:

@@ -4,11 +4,7 @@ from __future__ import annotations
 import torch
 import torch.nn as nn
 
-from ..kernels.cpu_gemv import MODE_IDS
-from ..kernels.masked_gemv import masked_gemv
-from .common import MacMeter, column_major_linear, native_decode, plain_linear
-
-_ABS_SCALED, _ABS = MODE_IDS["abs_scaled"], MODE_IDS["abs"]
+from .common import MacMeter, column_major_linear, decode_linear
 
 
 class NeuronThresholdLinear(MacMeter, nn.Module):
@@ -31,15 +27,10 @@ class NeuronThresholdLinear(MacMeter, nn.Module):
 
     def forward(self, h: torch.Tensor) -> torch.Tensor:
         if not self.training and not self.meter_on:
-            y = native_decode(self._modules["linear"], h, self._buffers["threshold"], _ABS_SCALED,
+            y = decode_linear(self._modules["linear"], h, self._buffers["threshold"], "abs_scaled",
                               self._buffers["column_norms"])
             if y is not None:
                 return y
-        if h.numel() == h.shape[-1] and not self.training and plain_linear(self.linear):
-            if self.meter_on:
-                self._record(h.abs() * self.column_norms >= self.threshold)
-            return masked_gemv(self.linear.weight.t(), h, self.threshold, mode="abs_scaled",
-                               scale=self.column_norms, bias=self.linear.bias)
         mask = h.abs() * self.column_norms >= self.threshold
         self._record(mask)
         return self.linear(h * mask)
@@ -64,13 +55,9 @@ class InputSparseLinear(MacMeter, nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not self.training and not self.meter_on:
-            y = native_decode(self._modules["linear"], x, self._buffers["threshold"], _ABS)
+            y = decode_linear(self._modules["linear"], x, self._buffers["threshold"], "abs")
             if y is not None:
                 return y
-        if x.numel() == x.shape[-1] and not self.training and plain_linear(self.linear):
-            if self.meter_on:
-                self._record(x.abs() >= self.threshold)
-            return masked_gemv(self.linear.weight.t(), x, self.threshold, mode="abs", bias=self.linear.bias)
         mask = x.abs() >= self.threshold
         self._record(mask)
         return self.linear(x * mask)

@@ -12,11 +12,8 @@ import weakref
 import torch
 import torch.nn as nn
 
-from ..kernels.cpu_gemv import MODE_IDS
-from ..kernels.masked_gemv import masked_gemv
-from .common import MacMeter, column_major_linear, native_decode, plain_linear
-
-_SQUARE = MODE_IDS["square"]
+from ..kernels.ops import decode_masked_grouped
+from .common import MacMeter, column_major_linear, decode_linear
 
 
 def _single_token(x: torch.Tensor) -> bool:
@@ -45,14 +42,9 @@ class RankAdapterLinear(MacMeter, nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         z = self.B(x)
         if not self.training and not self.meter_on:
-            y = native_decode(self._modules["A"], z, self._buffers["threshold"], _SQUARE)
+            y = decode_linear(self._modules["A"], z, self._buffers["threshold"], "square")
             if y is not None:
                 return y
-        if _single_token(x) and not self.training and plain_linear(self.A):
-            y = masked_gemv(self.A.weight.t(), z, self.threshold, mode="square", bias=self.A.bias)
-            if self.meter_on:
-                self._record(z * z >= self.threshold)
-            return y
         mask = z * z >= self.threshold
         self._record(mask)
         return self.A(z * mask)
@@ -70,7 +62,9 @@ class SharedRankCode(MacMeter, nn.Module):
     """B and its masker for stacked q/k/v: computes `m ⊙ (B x)` once per input tensor.
 
     The three projections are called with the *same* tensor in every supported attention
-    forward, so the code is cached by identity and dropped after its last consumer.
+    forward, so the code is cached by identity and dropped after its last consumer. For one decode
+    token the first consumer computes all of q/k/v in one grouped masked-GEMV launch
+    (:meth:`decode`) and the others take their slice of it.
     """
 
     def __init__(self, B: torch.Tensor, threshold: float, out_features: int, consumers: int = 3):
@@ -81,6 +75,8 @@ class SharedRankCode(MacMeter, nn.Module):
         self.consumers = consumers
         self.macs_dense = float(self.in_features * out_features)
         self._cache: tuple | None = None
+        self._decoded: tuple | None = None
+        self._slices: list = []  # weak references to the consumers, in link order (q, k, v)
         self._init_meter()
 
     def code(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -95,6 +91,36 @@ class SharedRankCode(MacMeter, nn.Module):
         left -= 1
         self._cache = (x, z, mask, left) if left > 0 else None
         return z, mask
+
+    def decode(self, x: torch.Tensor, slot: int) -> torch.Tensor | None:
+        """Output of consumer `slot` for one decode token, or None (then the consumer uses `code`).
+
+        The first consumer to see x runs every consumer's A in one grouped launch; the outputs
+        are kept (by x's identity) until the last consumer took its own."""
+        cached = self._decoded
+        if cached is not None and cached[0] is x:
+            outs, left = cached[1], cached[2]
+        else:
+            if self.training or self.meter_on or not _single_token(x) or type(self.B) is not nn.Linear:
+                return None
+            slices = [ref() for ref in self._slices]
+            if len(slices) != self.consumers or any(
+                    s is None or s._code() is not self or type(s.A) is not nn.Linear for s in slices):
+                return None  # not (or no longer) this code's own q/k/v: the per-slice path
+            weights = [s.A._parameters["weight"] for s in slices]
+            if torch.is_grad_enabled() and (x.requires_grad or any(w.requires_grad for w in weights)):
+                return None
+            z = self.B(x)
+            n = len(slices)
+            t = self._buffers["threshold"]
+            flat = decode_masked_grouped([z] * n, [w.t() for w in weights], [t] * n, "square", [None] * n,
+                                         [s.A._parameters["bias"] for s in slices])
+            lead = x.shape[:-1]
+            outs = [y.view(*lead, y.shape[-1]) for y in flat]
+            left = self.consumers
+        left -= 1
+        self._decoded = (x, outs, left) if left > 0 else None
+        return outs[slot]
 
     def measured_macs(self) -> float:
         return self.rank * self.in_features + self.out_features * self.mean_active()
@@ -115,14 +141,32 @@ class RankSliceLinear(nn.Module):
     def link(self, code: SharedRankCode) -> None:
         # A weak, non-module reference: the code is registered once, on the attention block.
         self._code = weakref.ref(code)
+        self._slot = len(code._slices)
+        code._slices.append(weakref.ref(self))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         code = self._code()
-        z, mask = code.code(x)
         if not self.training:
-            y = native_decode(self._modules["A"], z, code._buffers["threshold"], _SQUARE)
+            y = code.decode(x, self._slot)
             if y is not None:
                 return y
-        if _single_token(x) and not self.training and plain_linear(self.A):
-            return masked_gemv(self.A.weight.t(), z, code.threshold, mode="square", bias=self.A.bias)
+        z, mask = code.code(x)
         return self.A(z * mask)
+
+
+def relink_shared_codes(root: nn.Module) -> int:
+    """Point every RankSliceLinear under `root` at the SharedRankCode registered beside it (same parent).
+
+    The links are weak references, which ``copy.deepcopy`` copies as they are: a deep-copied layer's
+    slices would still use the original's code. Call this on the copy. Returns the codes relinked."""
+    count = 0
+    for parent in root.modules():
+        codes = [m for m in parent.children() if isinstance(m, SharedRankCode)]
+        if len(codes) != 1:
+            continue
+        codes[0]._slices, codes[0]._decoded, codes[0]._cache = [], None, None
+        for child in parent.children():
+            if isinstance(child, RankSliceLinear):
+                child.link(codes[0])
+        count += 1
+    return count

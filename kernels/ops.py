@@ -1,0 +1,177 @@
+"""The masked GEMV as torch.library ops: what the adapter modules call for a batch-1 decode token.
+
+Ops (one token: ``v`` holds K values, any leading dims of size 1):
+
+    rana::masked_gemv(Tensor w_t, Tensor v, Tensor threshold, str mode, Tensor? scale, Tensor? bias) -> Tensor
+        custom_op; CPU: the native kernel of cpu_gemv.py (fp32), else the torch gather / dense masked
+        product; any other device: the dense masked product (sync-free). Output v.shape[:-1] + (N,).
+    rana::masked_gemv_grouped(Tensor[] vs, Tensor[] w_ts, Tensor[] thresholds, str mode, Tensor?[] scales,
+                              Tensor?[] biases) -> Tensor
+        custom_op; the same for up to three projections (q/k/v, gate/up), outputs concatenated (1-D).
+    rana::masked_gemv_triton(Tensor[] vs, Tensor[] w_ts, Tensor[] thresholds, str mode, Tensor?[] scales,
+                             Tensor?[] biases, SymInt sparsity_bin) -> Tensor
+        triton_op (registered when triton imports): the grouped Triton kernel of triton_gemv.py, visible
+        to torch.compile / inductor through wrap_triton, captured by CUDA graphs.
+
+``threshold`` is a 0-dim fp32 tensor (a module buffer) and ``mode`` one of "none", "square",
+"abs_scaled", "abs" (see masked_gemv.py). Every op has a fake implementation, so
+``torch.compile(fullgraph=True)`` traces a decode step without reading a tensor value on the host.
+State the kernels keep (the CPU kernel's dense-branch prediction, the Triton tuning decisions) is
+only touched inside the op implementations, which run outside the traced graph; the Triton kernels
+are built when this module is imported.
+
+:func:`decode_masked` / :func:`decode_masked_grouped` are the module-facing entry points: eagerly they
+call the implementations directly (a Python op dispatch costs more than a small CPU GEMV); under
+torch.compile they go through the ops.
+
+Self-contained (torch + stdlib + its sibling kernel files; triton optional) so it ships with exports.
+"""
+from __future__ import annotations
+
+from typing import Optional, Sequence
+
+import torch
+
+from .cpu_gemv import MODE_IDS, masked_linear_native
+from .masked_gemv import masked_gemv_dense, masked_gemv_torch
+from .triton_gemv import grouped_masked_gemv_triton, interpreting, kernels, triton_available
+
+__all__ = ["decode_masked", "decode_masked_grouped", "masked_gemv_impl", "HAS_TRITON", "OP_NAMES", "MODES"]
+
+MODES = ("none", "square", "abs_scaled", "abs")
+DEFAULT_SPARSITY_BIN = 2  # active fraction ≈ 0.5: the Triton tuning key when a module gives no hint
+
+
+def _build_triton() -> bool:
+    if not triton_available():
+        return False
+    try:
+        kernels()  # build now: no kernel builder may run inside a traced forward
+    except Exception:  # a triton that cannot build kernels here: the torch paths only
+        return False
+    return True
+
+
+HAS_TRITON = _build_triton()
+
+
+# --------------------------------------------------------------------------------------------
+# implementations (eager)
+# --------------------------------------------------------------------------------------------
+def masked_gemv_impl(w_t: torch.Tensor, v: torch.Tensor, threshold: torch.Tensor, mode: str,
+                     scale: Optional[torch.Tensor], bias: Optional[torch.Tensor]) -> torch.Tensor:
+    """One token on any device without Triton: native/gather on CPU, dense masked elsewhere."""
+    if mode not in MODES:
+        raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
+    t = None if mode == "none" else threshold
+    m = "abs" if mode == "none" else mode
+    if v.is_cpu and w_t.is_cpu:
+        y = masked_gemv_torch(w_t, v, t, mode=m, scale=scale, bias=bias)
+    else:
+        y = masked_gemv_dense(w_t, v, t, mode=m, scale=scale, bias=bias)
+    return y.contiguous()
+
+
+# --------------------------------------------------------------------------------------------
+# ops
+# --------------------------------------------------------------------------------------------
+def _registered(name: str) -> bool:
+    """Whether rana::<name> exists already: the rana package and every exported model loaded in this
+    process ship a copy of this file, and an op can be defined once per process (the copies are
+    the same code, so the first definition serves all)."""
+    try:
+        getattr(torch.ops.rana, name)
+    except (AttributeError, RuntimeError):
+        return False
+    return True
+
+
+def _masked_gemv_op(w_t: torch.Tensor, v: torch.Tensor, threshold: torch.Tensor, mode: str,
+                    scale: Optional[torch.Tensor], bias: Optional[torch.Tensor]) -> torch.Tensor:
+    return masked_gemv_impl(w_t, v, threshold, mode, scale, bias)
+
+
+def _masked_gemv_fake(w_t, v, threshold, mode, scale, bias):
+    return v.new_empty((*v.shape[:-1], w_t.shape[1]))
+
+
+def _masked_gemv_grouped_op(vs: Sequence[torch.Tensor], w_ts: Sequence[torch.Tensor],
+                            thresholds: Sequence[torch.Tensor], mode: str,
+                            scales: Sequence[Optional[torch.Tensor]],
+                            biases: Sequence[Optional[torch.Tensor]]) -> torch.Tensor:
+    return torch.cat([masked_gemv_impl(w, v, t, mode, s, b).reshape(-1)
+                      for v, w, t, s, b in zip(vs, w_ts, thresholds, scales, biases)])
+
+
+def _masked_gemv_grouped_fake(vs, w_ts, thresholds, mode, scales, biases):
+    return vs[0].new_empty((sum(w.shape[1] for w in w_ts),))
+
+
+def _masked_gemv_triton_op(vs: Sequence[torch.Tensor], w_ts: Sequence[torch.Tensor],
+                           thresholds: Sequence[torch.Tensor], mode: str,
+                           scales: Sequence[Optional[torch.Tensor]], biases: Sequence[Optional[torch.Tensor]],
+                           sparsity_bin: int) -> torch.Tensor:
+    return grouped_masked_gemv_triton(list(vs), list(w_ts), list(thresholds), mode, list(scales), list(biases),
+                                      sparsity_bin, wrap=torch.library.wrap_triton)
+
+
+if not _registered("masked_gemv"):
+    torch.library.custom_op("rana::masked_gemv", _masked_gemv_op, mutates_args=()).register_fake(_masked_gemv_fake)
+if not _registered("masked_gemv_grouped"):
+    torch.library.custom_op("rana::masked_gemv_grouped", _masked_gemv_grouped_op,
+                            mutates_args=()).register_fake(_masked_gemv_grouped_fake)
+if HAS_TRITON and not _registered("masked_gemv_triton"):
+    # triton_op: torch.compile traces into the launches (wrap_triton) and derives the fake itself
+    torch.library.triton_op("rana::masked_gemv_triton", _masked_gemv_triton_op, mutates_args=())
+
+OP_NAMES = ("rana::masked_gemv", "rana::masked_gemv_grouped") + (("rana::masked_gemv_triton",) if HAS_TRITON else ())
+
+
+# --------------------------------------------------------------------------------------------
+# module-facing entry points
+# --------------------------------------------------------------------------------------------
+_INTERPRET = interpreting()  # read once: the eager CPU path below runs per projection per token
+
+
+def _use_triton(v: torch.Tensor) -> bool:
+    """CUDA with triton; CPU tensors only under TRITON_INTERPRET=1 in eager (tests of the kernel path)."""
+    return HAS_TRITON and (v.is_cuda or (_INTERPRET and not torch.compiler.is_compiling()))
+
+
+def decode_masked(w_t: torch.Tensor, v: torch.Tensor, threshold: torch.Tensor, mode: str,
+                  scale: Optional[torch.Tensor] = None, bias: Optional[torch.Tensor] = None,
+                  sparsity_bin: int = DEFAULT_SPARSITY_BIN) -> torch.Tensor:
+    """``(m ⊙ v) @ w_t (+ bias)`` for one token; output v.shape[:-1] + (N,) in v's dtype."""
+    out_shape = (*v.shape[:-1], w_t.shape[1])
+    if torch.compiler.is_compiling():
+        if _use_triton(v):
+            return torch.ops.rana.masked_gemv_triton([v], [w_t], [threshold], mode, [scale], [bias],
+                                                     sparsity_bin).view(out_shape)
+        return torch.ops.rana.masked_gemv(w_t, v, threshold, mode, scale, bias)
+    if v.is_cpu and not _INTERPRET:  # the common CPU case first: one native call, nothing else
+        if mode != "none":
+            y = masked_linear_native(w_t.t(), v, float(threshold), MODE_IDS[mode], scale, bias)
+            if y is not None:
+                return y
+        return masked_gemv_impl(w_t, v, threshold, mode, scale, bias)
+    if _use_triton(v):
+        return grouped_masked_gemv_triton([v], [w_t], [threshold], mode, [scale], [bias], sparsity_bin).view(out_shape)
+    return masked_gemv_impl(w_t, v, threshold, mode, scale, bias)
+
+
+def decode_masked_grouped(vs, w_ts, thresholds, mode: str, scales, biases,
+                          sparsity_bin: int = DEFAULT_SPARSITY_BIN) -> list[torch.Tensor]:
+    """Up to three one-token masked GEMVs (one launch on CUDA); their outputs as 1-D tensors."""
+    ns = [w.shape[1] for w in w_ts]
+    if torch.compiler.is_compiling():
+        if _use_triton(vs[0]):
+            flat = torch.ops.rana.masked_gemv_triton(vs, w_ts, thresholds, mode, scales, biases, sparsity_bin)
+        else:
+            flat = torch.ops.rana.masked_gemv_grouped(vs, w_ts, thresholds, mode, scales, biases)
+        return list(flat.split(ns))
+    if _use_triton(vs[0]):
+        flat = grouped_masked_gemv_triton(list(vs), list(w_ts), list(thresholds), mode, list(scales), list(biases),
+                                          sparsity_bin)
+        return list(flat.split(ns))
+    # CPU eagerly: one native call per projection, no concatenation
+    return [decode_masked(w, v, t, mode, s, b).reshape(-1) for v, w, t, s, b in zip(vs, w_ts, thresholds, scales, biases)]
