@@ -67,7 +67,7 @@ def compressed_layers(shape: dict, budget: float, n_layers: int, dtype, device, 
     from rana.config import CompressConfig
 
     vocab = 64
-    calib = torch.randint(0, vocab, (12 if smoke else 72, 16 if smoke else 128), generator=torch.Generator().manual_seed(1))
+    calib = torch.randint(0, vocab, (24 if smoke else 72, 16 if smoke else 128), generator=torch.Generator().manual_seed(1))
     data = SimpleNamespace(fit=calib[: -4], heldout=calib[-4:])
     tokens = calib[:-4].numel()
     attempts = [(device, dtype)] + ([] if (torch.device(device).type == "cpu" and dtype == torch.float32) else [("cpu", torch.float32)])

@@ -149,18 +149,6 @@ def register(app: typer.Typer) -> None:
             raise ValueError(f"--latency-mode must be auto, compiled or eager, got {latency_mode!r}")
         if seq_len < 2:
             raise ValueError(f"--seq-len must be at least 2, got {seq_len}")
-        from rana.io import check_folder
-
-        for r in refs:
-            if not is_rana_dir(r):
-                resolve(r)  # fail fast on an unknown model
-            else:
-                check_folder(r)  # a broken rana folder: one line before any work
-        lim = _limit(limit)
-        from rana.paths import check_output_file, local_inputs, model_inputs
-
-        check_output_file(json_out, [p for r in refs + ([dense] if dense else []) for p in model_inputs(r)]
-                          + local_inputs(*ppl_data), "--json")
         _check_counts(batch_size=batch_size, eval_tokens=eval_tokens, seq_len=seq_len, latency_tokens=latency_tokens,
                       latency_repeats=latency_repeats, layer_error_tokens=layer_error_tokens, num_fewshot=num_fewshot)
         if dtype not in DTYPES:
@@ -173,6 +161,18 @@ def register(app: typer.Typer) -> None:
         if task_list:
             check_tasks(task_list, include_path=include_path,
                         data_dir=task_data if any(t.endswith("_local") for t in task_list) else None)
+        from rana.io import check_folder, is_rana_dir
+        from rana.loading import resolve
+
+        for r in refs:
+            if not is_rana_dir(r):
+                resolve(r)  # fail fast on an unknown model
+            else:
+                check_folder(r)  # a broken rana folder: one line before any work
+        from rana.paths import check_output_file, local_inputs, model_inputs
+
+        check_output_file(json_out, [p for r in refs + ([dense] if dense else []) for p in model_inputs(r)]
+                          + local_inputs(*ppl_data), "--json")
 
         dense_cache: dict[str, tuple] = {}
 

@@ -70,6 +70,7 @@ def register(app: typer.Typer) -> None:
     ) -> None:
         """Compress with several methods at several budgets; evaluate, tabulate and plot (resumable)."""
         from rana.data import check_source
+        from rana.loading import resolve
         from rana.sweep import SweepConfig, run_sweep
 
         config = SweepConfig(model=model, out=out, ppl_data=list(ppl_data), methods=methods.split(","), flops=_floats(flops),

@@ -174,10 +174,10 @@ def test_sweep_out_never_a_model_folder(proj, tmp_path):
 def test_eval_json_never_overwrites_an_input(proj):
     before = tree_hash(proj)
     res = runner.invoke(app, ["eval", str(proj / "rana"), "--ppl-data", str(proj / "calib.txt"),
-                              "--json", str(proj / "rana" / "config.json")])
+                              "--json", str(proj / "rana" / "config.json"), "--seq-len", "64"])
     assert_one_line_error(res, "--json")
     res = runner.invoke(app, ["eval", str(proj / "rana"), "--ppl-data", str(proj / "calib.txt"),
-                              "--json", str(proj / "calib.txt")])
+                              "--json", str(proj / "calib.txt"), "--seq-len", "64"])
     assert_one_line_error(res, "--json")
     assert tree_hash(proj) == before
 
@@ -401,7 +401,7 @@ def test_corrupt_safetensors_are_one_line(proj, tmp_path, damage):
     with pytest.raises(ModelLoadError, match="model.safetensors"):
         load_model(str(dense))
     before = tree_hash(rana_dir)
-    res = runner.invoke(app, ["eval", str(rana_dir), "--ppl-data", str(proj / "calib.txt")])
+    res = runner.invoke(app, ["eval", str(rana_dir), "--ppl-data", str(proj / "calib.txt"), "--seq-len", "64"])
     assert_one_line_error(res, "model.safetensors")
     res = runner.invoke(app, ["export", str(rana_dir), "--out", str(tmp_path / "x")])
     assert_one_line_error(res, "model.safetensors")

@@ -155,7 +155,7 @@ def test_output_paths_that_cannot_be_written_fail_first(work, tmp_path, readonly
     cases = [
         (["compress", str(work / "tiny"), "--out", str(readonly_dir / "o"), *SMALL], ["--out", "not writable"]),
         (["compress", str(work / "tiny"), "--out", str(a_file / "o"), *SMALL], ["--out", "is a file"]),
-        (["compress", str(work / "tiny"), "--out", str(a_file), *SMALL, "--overwrite"], ["--out", "is a file"]),
+        (["compress", str(work / "tiny"), "--out", str(a_file), *SMALL, "--overwrite"], ["--out", "not a folder"]),
         (["eval", str(work / "rana"), "--ppl-data", str(work / "heldout.txt"), "--seq-len", "64", "--json", str(readonly_dir / "r.json")],
          ["--json", "not writable"]),
         (["eval", str(work / "rana"), "--ppl-data", str(work / "heldout.txt"), "--seq-len", "64", "--json", str(a_file / "r.json")],
