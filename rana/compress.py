@@ -54,7 +54,7 @@ def _module_outputs(modules: list[nn.Module], x: torch.Tensor) -> torch.Tensor:
 
 
 @torch.no_grad()
-def _step_error(ctx: LayerContext, step_name: str, stats, device) -> Callable[[], float]:
+def _step_error(ctx: LayerContext, step_name: str, stats) -> Callable[[], float]:
     """Snapshot the dense outputs of the step's block on held-aside inputs; return a function
     that measures the compressed block's relative output error on the same inputs."""
     if step_name == "attention":
@@ -107,7 +107,7 @@ def compress_model(model: nn.Module, tokenizer, config: CompressConfig, calibrat
             stats = collect_inputs(layer, fit, held, targets, device=device, stop_at=targets[step.stop],
                                    second_moment=step.moments, fit_sample_tokens=config.fit_sample_tokens, layer_index=idx)
             if step.block not in measures:  # snapshot the dense block before its first step
-                measures[step.block] = _step_error(ctx, step.block, stats, device)
+                measures[step.block] = _step_error(ctx, step.block, stats)
             _merge(entry.setdefault(step.block, {"components": {}, "expected_macs": 0.0, "dense_macs": 0.0}),
                    step.apply(ctx, stats))
             entry[step.block]["budget_fraction"] = ctx.fraction
