@@ -24,7 +24,8 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from rana.finetune import FinetuneConfig, finetune, parse_tokens  # noqa: E402
+from rana.finetune import FinetuneConfig, finetune  # noqa: E402
+from rana.units import parse_tokens  # noqa: E402
 
 DATA = Path(os.environ.get("RANA_SHARED_DATA", ROOT.parent / "shared" / "data")) / "text"
 TRAIN, HELDOUT = DATA / "pydoc_calib.txt", DATA / "pydoc_heldout.txt"

@@ -137,7 +137,8 @@ def register(app: typer.Typer) -> None:
         from rana.evaluation import ppl_protocol
         from rana.checks import check_device
         from rana.evaluate import check_tasks
-        from rana.loading import DTYPES, load_model
+        from rana.loading import load_model
+        from rana.units import DTYPES
 
         refs = list(models) + [c.strip() for item in compare for c in item.split(",") if c.strip()]
         task_list = [t.strip() for t in (tasks or "").split(",") if t.strip()]

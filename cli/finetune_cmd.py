@@ -89,7 +89,8 @@ def register(app: typer.Typer) -> None:
         overwrite: bool = typer.Option(False, help="replace an existing --out folder / start over its checkpoints"),
     ) -> None:
         """Fine-tune a compressed model: LoRA on the RaNA adapters, LAuReL residuals, or full training."""
-        from rana.finetune import FinetuneConfig, NonFiniteLossError, finetune, parse_tokens
+        from rana.finetune import FinetuneConfig, NonFiniteLossError, finetune
+        from rana.units import parse_tokens
 
         if out is None and checkpoint_dir is None:
             fail("pass --out OUT (where the fine-tuned rana folder goes)")

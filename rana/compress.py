@@ -14,7 +14,7 @@ from .accounting import dense_macs, dense_macs_per_layer, measured_macs, metered
 from .archs import UnsupportedArchitectureError, decoder_layers, get_arch
 from .calibrate import capture_first_layer_inputs, collect_inputs, run_layer
 from .config import CompressConfig
-from .loading import DTYPES
+from .units import DTYPES
 from .math.flops import adapted_fraction
 from .allocate import profile_and_allocate
 from .methods import LayerContext, Method, _qkv_modules, _relative_error, get_method, role_path, unsupported_reason

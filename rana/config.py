@@ -55,7 +55,7 @@ class CompressConfig:
         if self.allocation not in ("uniform", "global"):
             raise ValueError(f"unknown allocation '{self.allocation}' (choose uniform or global)")
         if self.max_memory is not None:
-            from .offload import parse_memory
+            from .units import parse_memory
 
             parse_memory(self.max_memory)
         if self.seq_len < 8:

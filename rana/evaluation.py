@@ -64,7 +64,8 @@ def _tokenizer_for(reference: str):
 def load_for_eval(reference: str | Path, *, dtype: str = "float32", device: str = "cpu") -> LoadedModel:
     """A rana folder (`rana.io.load`, with its plan.json) or any dense reference (`load_model`)."""
     from . import io as rana_io
-    from .loading import DTYPES, load_model
+    from .loading import load_model
+    from .units import DTYPES
 
     reference = str(reference)
     if rana_io.is_rana_dir(reference):

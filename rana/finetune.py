@@ -37,7 +37,7 @@ import hashlib
 import json
 import math
 import os
-import re
+
 import shutil
 import time
 from dataclasses import asdict, dataclass, field, fields
@@ -49,6 +49,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from .data import DataError, load_texts, pack_blocks, tokenize_stream
+from .units import DTYPES, parse_tokens
 from .modules import InputSparseLinear, NeuronThresholdLinear, RankAdapterLinear, RankSliceLinear, SharedRankCode
 from .modules.laurel import LaurelConfig, apply_laurel, get_laurel_config, laurel_parameters, parse_variant
 
@@ -59,7 +60,6 @@ __all__ = [
     "NonFiniteLossError",
     "adapter_linear_names",
     "finetune",
-    "parse_tokens",
     "resolve_lora_targets",
 ]
 
@@ -79,43 +79,15 @@ SWEEP_FACTORS = (0.25, 1.0, 4.0)
 _UNHASHED = {"out", "checkpoint_dir", "resume", "overwrite", "save_every", "keep_checkpoints", "stop_after",
              "eval_every", "eval_at_start", "gradient_checkpointing", "eval_batch_size"}
 
-
 class FinetuneError(ValueError):
     """A fine-tuning request that cannot run as given (user-facing; the message says what to do)."""
-
 
 class NonFiniteLossError(RuntimeError):
     """The training loss (or gradient norm) became NaN/inf; training stopped, nothing was written to --out."""
 
-
 # --------------------------------------------------------------------------------------------------
 # Config
 # --------------------------------------------------------------------------------------------------
-
-MAX_TOKENS = 10**12  # far beyond any fine-tuning run; larger values are typos (1e30)
-_TOKEN_SUFFIX = {"": 1, "k": 10**3, "m": 10**6, "g": 10**9, "b": 10**9, "t": 10**12}
-
-
-def parse_tokens(value: Any) -> int:
-    """A token budget: ``2M``, ``500k``, ``1.5e6``, ``2_000_000`` or a plain int."""
-    if isinstance(value, bool):
-        raise ValueError(f"cannot parse token budget {value!r}")
-    if isinstance(value, (int, float)):
-        n = float(value)
-    else:
-        s = str(value).strip().lower().replace("_", "").replace(",", "")
-        m = re.fullmatch(r"([0-9]*\.?[0-9]+(?:e[+-]?[0-9]+)?)\s*([kmgbt]?)", s)
-        if not m:
-            raise ValueError(f"cannot parse token budget {value!r}: use a number with an optional k/M/G suffix, "
-                             "e.g. 2M, 500k, 1.5e6")
-        n = float(m.group(1)) * _TOKEN_SUFFIX[m.group(2)]
-    if not math.isfinite(n) or n < 1:
-        raise ValueError(f"--tokens: the token budget must be at least 1 token, got {value!r}")
-    if n > MAX_TOKENS:
-        raise ValueError(f"--tokens {value}: a budget beyond {MAX_TOKENS:.0e} tokens is not a fine-tuning run (at "
-                         "today's speeds it would never finish); pass e.g. 2M or 500M")
-    return int(round(n))
-
 
 @dataclass
 class FinetuneConfig:
@@ -286,7 +258,6 @@ class FinetuneConfig:
         blob = json.dumps(self.hashed_fields(), sort_keys=True, default=str)
         return hashlib.sha256(blob.encode()).hexdigest()[:16]
 
-
 @dataclass
 class FinetuneResult:
     model: nn.Module | None  # merged, unwrapped, eval mode (None when stopped early or on non-main processes of FSDP)
@@ -296,11 +267,9 @@ class FinetuneResult:
     out: Path | None = None
     is_main_process: bool = True
 
-
 # --------------------------------------------------------------------------------------------------
 # Model surgery helpers (pure functions on nn.Modules)
 # --------------------------------------------------------------------------------------------------
-
 
 def adapter_linear_names(model: nn.Module) -> list[str]:
     """Dotted names of the nn.Linear children of every RaNA adapter (their B / A / linear)."""
@@ -312,11 +281,9 @@ def adapter_linear_names(model: nn.Module) -> list[str]:
                     names.append(f"{name}.{child_name}" if name else child_name)
     return names
 
-
 def _is_linear(module: nn.Module) -> bool:
     """An nn.Linear, or a peft LoRA wrapper around one."""
     return isinstance(module, nn.Linear) or isinstance(getattr(module, "base_layer", None), nn.Linear)
-
 
 def _layer_roots(model: nn.Module) -> list[str]:
     """Names of the decoder-layer containers (LoRA 'all' stays inside them: no embeddings / lm_head)."""
@@ -326,7 +293,6 @@ def _layer_roots(model: nn.Module) -> list[str]:
         return [get_arch(model.config).layers]
     except Exception:  # noqa: BLE001 - unknown architecture: any ModuleList named like layers
         return [n for n, m in model.named_modules() if isinstance(m, nn.ModuleList) and n.split(".")[-1] in ("layers", "h")]
-
 
 def _dense_projection_names(model: nn.Module) -> list[str]:
     """nn.Linear modules inside the decoder layers that are not part of an adapter."""
@@ -341,7 +307,6 @@ def _dense_projection_names(model: nn.Module) -> list[str]:
             if ".laurel_" not in name:
                 out.append(name)
     return out
-
 
 def resolve_lora_targets(model: nn.Module, spec: str | None) -> list[str]:
     """Full module names for peft from ``adapters`` | ``all`` | ``none`` | ``name,name,...``.
@@ -385,7 +350,6 @@ def resolve_lora_targets(model: nn.Module, spec: str | None) -> list[str]:
         chosen += found
     return list(dict.fromkeys(chosen))
 
-
 def _restore_column_major(model: nn.Module) -> None:
     """Adapter weights are stored column-major for the masked-GEMV kernels; keep it that way."""
     for m in model.modules():
@@ -395,12 +359,10 @@ def _restore_column_major(model: nn.Module) -> None:
                     w = child.weight
                     child.weight = nn.Parameter(w.detach().t().contiguous().t(), requires_grad=w.requires_grad)
 
-
 def _refresh_norms(model: nn.Module) -> None:
     for m in model.modules():
         if isinstance(m, NeuronThresholdLinear):
             m.refresh_norms()
-
 
 @torch.no_grad()
 def sync_neuron_norms(model: nn.Module) -> None:
@@ -420,11 +382,9 @@ def sync_neuron_norms(model: nn.Module) -> None:
             else:
                 m.refresh_norms()
 
-
 # --------------------------------------------------------------------------------------------------
 # Self-guided start (method.md §7)
 # --------------------------------------------------------------------------------------------------
-
 
 class SelfGuidance:
     """``o = α·dense(x) + (1−α)·adapted(x)`` on every adapted projection, α: 1 → 0 on a cosine over
@@ -491,7 +451,6 @@ class SelfGuidance:
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
 
-
 def _dense_weights(model: nn.Module, reference: str, device, dtype) -> dict:
     """The original dense weights of every rank-adapted projection, from the model `reference`."""
     wanted = {n: m for n, m in model.named_modules() if isinstance(m, (RankAdapterLinear, RankSliceLinear))}
@@ -520,11 +479,9 @@ def _dense_weights(model: nn.Module, reference: str, device, dtype) -> dict:
     gc.collect()
     return out
 
-
 # --------------------------------------------------------------------------------------------------
 # Data
 # --------------------------------------------------------------------------------------------------
-
 
 def _load_token_ids(path: Path, vocab_size: int | None) -> torch.Tensor:
     try:
@@ -550,7 +507,6 @@ def _load_token_ids(path: Path, vocab_size: int | None) -> torch.Tensor:
                         f"found [{int(ids.min())}, {int(ids.max())}]")
     return ids
 
-
 def _token_stream(source: str | None, config: FinetuneConfig, tokenizer, vocab_size: int | None) -> torch.Tensor:
     if source is not None:
         p = Path(os.path.expanduser(str(source)))
@@ -563,7 +519,6 @@ def _token_stream(source: str | None, config: FinetuneConfig, tokenizer, vocab_s
                         "folder, alias or hub id whose tokenizer to use) or pre-tokenised ids (.pt/.npy)")
     texts = load_texts(source, config=config.dataset_config, split=config.split, text_column=config.text_column)
     return tokenize_stream(texts, tokenizer)
-
 
 def _prepare_blocks(config: FinetuneConfig, tokenizer, vocab_size) -> tuple[torch.Tensor, torch.Tensor]:
     """(train_blocks, heldout_blocks), each (n, seq_len)."""
@@ -581,7 +536,6 @@ def _prepare_blocks(config: FinetuneConfig, tokenizer, vocab_size) -> tuple[torc
     blocks = pack_blocks(stream, config.seq_len)
     n_held = min(max(1, round(n * config.heldout_fraction)), max_eval, n - 1)
     return blocks[: n - n_held], blocks[n - n_held:]  # held-out = the tail of the stream
-
 
 class _OrderedBlocks(torch.utils.data.Dataset):
     """The whole run's sequence of training blocks: epoch after epoch, each a seeded shuffle.
@@ -612,11 +566,9 @@ class _OrderedBlocks(torch.utils.data.Dataset):
         epoch, pos = divmod(int(i), len(self.blocks))
         return self.blocks[self.permutation(epoch)[pos]]
 
-
 # --------------------------------------------------------------------------------------------------
 # Schedule
 # --------------------------------------------------------------------------------------------------
-
 
 def lr_factor(step: int, total: int, warmup: int, min_ratio: float) -> float:
     """Multiplier of the peak lr for optimizer step `step` (0-based): linear warm-up, cosine decay."""
@@ -626,16 +578,13 @@ def lr_factor(step: int, total: int, warmup: int, min_ratio: float) -> float:
     progress = min(1.0, (step - warmup) / span)
     return min_ratio + (1.0 - min_ratio) * 0.5 * (1.0 + math.cos(math.pi * progress))
 
-
 # --------------------------------------------------------------------------------------------------
 # The run
 # --------------------------------------------------------------------------------------------------
 
-
 def _compute_loss(model: nn.Module, batch: torch.Tensor) -> torch.Tensor:
     """Mean next-token loss of a (B, T) batch (module-level so tests can inject failures)."""
     return model(input_ids=batch, labels=batch, use_cache=False).loss
-
 
 @dataclass
 class _Source:
@@ -644,7 +593,6 @@ class _Source:
     meta: dict
     plan: dict | None
     save_dtype: torch.dtype
-
 
 def _inspect_source(config: FinetuneConfig) -> _Source:
     from .io import check_folder, is_rana_dir, read_meta, read_plan
@@ -661,10 +609,8 @@ def _inspect_source(config: FinetuneConfig) -> _Source:
             "the dense model itself with --full (all weights) or --lora-targets all|q_proj,v_proj,... (LoRA)")
     return _Source("dense", src, {}, None, torch.float32)
 
-
 def _load_source(source: _Source, config: FinetuneConfig):
     from .io import load as rana_load
-    from .loading import DTYPES
 
     dtype = DTYPES[config.dtype]
     if source.kind == "rana":
@@ -675,13 +621,12 @@ def _load_source(source: _Source, config: FinetuneConfig):
         tokenizer = _load_tokenizer(config.tokenizer)
     return model, tokenizer
 
-
 def _load_dense(reference: str, dtype: str = "float32"):
     """(model, tokenizer or None) for a dense checkpoint; unlike `load_model`, a missing tokenizer is fine
     (pre-tokenised data needs none)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from .loading import DTYPES, ModelLoadError, check_loading_info, check_weight_files, clear_gguf_quantizer, resolve
+    from .loading import ModelLoadError, check_loading_info, check_weight_files, clear_gguf_quantizer, resolve
 
     src = resolve(reference, dense=True)
     kw = {"gguf_file": src.gguf_file} if src.gguf_file else {}
@@ -700,7 +645,6 @@ def _load_dense(reference: str, dtype: str = "float32"):
         tokenizer = None
     return model.eval(), tokenizer
 
-
 def _load_tokenizer(reference: str):
     from transformers import AutoTokenizer
 
@@ -710,7 +654,6 @@ def _load_tokenizer(reference: str):
     kw = {"gguf_file": src.gguf_file} if src.gguf_file else {}
     return AutoTokenizer.from_pretrained(src.path, **kw)
 
-
 def _default_lr(config: FinetuneConfig) -> float:
     if config.lr is not None:
         return config.lr
@@ -719,7 +662,6 @@ def _default_lr(config: FinetuneConfig) -> float:
     if config.lora_targets == "none":
         return DEFAULT_LR["laurel"]
     return DEFAULT_LR["lora"]
-
 
 class _Trainer:
     """One process's view of a fine-tuning job (the sweep trials and the main run)."""
@@ -1158,14 +1100,12 @@ class _Trainer:
         acc.wait_for_everyone()
         return str(final)
 
-
 def _unique(params):
     seen = set()
     for p in params:
         if id(p) not in seen:
             seen.add(id(p))
             yield p
-
 
 def _keep_trainable_only(models, weights, output_dir) -> None:
     """accelerate save_state pre-hook: checkpoint only trainable tensors (the frozen base is reloaded
@@ -1178,11 +1118,9 @@ def _keep_trainable_only(models, weights, output_dir) -> None:
             elif not sd[k].is_contiguous():
                 sd[k] = sd[k].contiguous()
 
-
 def _checkpoints(folder: Path) -> list[Path]:
     found = [p for p in folder.glob(f"{CKPT_PREFIX}*") if (p / TRAINER_STATE).is_file()]
     return sorted(found, key=lambda p: int(p.name[len(CKPT_PREFIX):]) if p.name[len(CKPT_PREFIX):].isdigit() else -1)
-
 
 def _device_full(folder: Path) -> bool:
     """Nearly no space left where `folder` lives (a failed write that filled it has left a partial file)."""
@@ -1192,7 +1130,6 @@ def _device_full(folder: Path) -> bool:
         return False
     return st.f_bavail * st.f_frsize < 64 * 2**20
 
-
 def _file_digest(path: Path) -> str:
     h = hashlib.sha256()
     with open(path, "rb") as f:
@@ -1200,12 +1137,10 @@ def _file_digest(path: Path) -> str:
             h.update(block)
     return h.hexdigest()
 
-
 def _manifest(folder: Path) -> dict[str, list]:
     """{relative path: [size, sha256]} of every file of a checkpoint (verified before it is resumed)."""
     return {str(p.relative_to(folder)): [p.stat().st_size, _file_digest(p)]
             for p in sorted(folder.rglob("*")) if p.is_file() and p.name != TRAINER_STATE}
-
 
 def _verify_checkpoint(path: Path) -> tuple[str | None, dict | None]:
     """(None, trainer state) for a sound checkpoint, else (what is wrong, None): an unreadable state
@@ -1226,11 +1161,9 @@ def _verify_checkpoint(path: Path) -> tuple[str | None, dict | None]:
             return f"{name} changed since it was written", None
     return None, state
 
-
 # --------------------------------------------------------------------------------------------------
 # Entry point
 # --------------------------------------------------------------------------------------------------
-
 
 def finetune(config: FinetuneConfig, progress: Callable[[str, int, int], None] | None = None,
              on_log: Callable[[dict], None] | None = None) -> FinetuneResult:
@@ -1267,7 +1200,6 @@ def finetune(config: FinetuneConfig, progress: Callable[[str, int, int], None] |
     except BaseException:
         tr.discard_unused_checkpoint_dir(out_existed)
         raise
-
 
 def _train_and_save(tr: "_Trainer", config: FinetuneConfig, resume_state: dict | None) -> FinetuneResult:
     acc = tr.accelerator
@@ -1342,7 +1274,6 @@ def _train_and_save(tr: "_Trainer", config: FinetuneConfig, resume_state: dict |
     return FinetuneResult(model=merged, tokenizer=tokenizer, summary=summary, log=tr.records, out=out,
                           is_main_process=tr.is_main)
 
-
 def _probe_tokenizer(source: _Source, config: FinetuneConfig):
     """(tokenizer or None, vocab size) without loading the weights."""
     from transformers import AutoConfig, AutoTokenizer
@@ -1363,7 +1294,6 @@ def _probe_tokenizer(source: _Source, config: FinetuneConfig):
     if vocab is None and tok is not None:
         vocab = len(tok)
     return tok, vocab
-
 
 def _sweep(tr: _Trainer, total_steps: int) -> tuple[float, list[dict]]:
     """Paper's procedure: a few learning rates on a short prefix of the budget, keep the best held-out loss."""
@@ -1394,7 +1324,6 @@ def _sweep(tr: _Trainer, total_steps: int) -> tuple[float, list[dict]]:
     best = min(finite, key=lambda r: r["heldout_loss"])
     return best["lr"], results
 
-
 def _merge(tr: _Trainer, model) -> nn.Module | None:
     """The trained model as a plain (merged, unwrapped) module on the main process."""
     acc = tr.accelerator
@@ -1419,7 +1348,6 @@ def _merge(tr: _Trainer, model) -> nn.Module | None:
         model.config.use_cache = True
     return model.eval()
 
-
 def _check_no_input_overlap(cfg: FinetuneConfig, out: Path | None, ckpt_dir: Path | None) -> None:
     """--out and --checkpoint-dir never overlap an input; --overwrite replaces only rana's own folders."""
     from .paths import check_output, check_work_dir, local_inputs, model_inputs
@@ -1432,7 +1360,6 @@ def _check_no_input_overlap(cfg: FinetuneConfig, out: Path | None, ckpt_dir: Pat
         check_work_dir(out, inputs, "--out")
     if ckpt_dir is not None and cfg.checkpoint_dir:
         check_work_dir(ckpt_dir, inputs, "--checkpoint-dir")
-
 
 def _write_output(tr: _Trainer, model, tokenizer, info, summary) -> Path:
     from .config import write_json

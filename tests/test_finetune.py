@@ -18,9 +18,10 @@ from rana.compress import compress_model
 from rana.config import CompressConfig
 from rana.data import DataError
 from rana.finetune import (CHECKPOINTS, FinetuneConfig, FinetuneError, NonFiniteLossError, _merge, _prepare_blocks,
-                           _Trainer, adapter_linear_names, finetune, parse_tokens, resolve_lora_targets,
+                           _Trainer, adapter_linear_names, finetune, resolve_lora_targets,
                            sync_neuron_norms)
 from rana.io import load, save
+from rana.units import parse_tokens
 from rana.modules import NeuronThresholdLinear, RankAdapterLinear, SharedRankCode
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -13,7 +13,8 @@ import torch
 
 from rana.compress import compress_model
 from rana.io import WEIGHTS_INDEX, load, save
-from rana.offload import MemoryBudgetError, disk_spill, estimate_memory, load_lazy, parse_memory
+from rana.offload import MemoryBudgetError, disk_spill, estimate_memory, load_lazy
+from rana.units import parse_memory
 from helpers import tiny_calibration, tiny_compress_config, tiny_model
 
 ROOT = Path(__file__).resolve().parents[1]
