@@ -18,8 +18,10 @@ import tempfile
 import time
 from pathlib import Path
 
+from _paths import data_dir
+
 ROOT = Path(__file__).resolve().parents[1]
-DATA = ROOT.parent / "shared" / "data" / "text"
+DATA = data_dir() / "text"
 RESULTS = ROOT / "benchmarks" / "results"
 
 CHILD = r"""

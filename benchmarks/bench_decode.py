@@ -36,9 +36,11 @@ from pathlib import Path
 
 import torch
 
+from _paths import text_file
+
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "benchmarks" / "results"
-DATASET = "/work/shared/data/text/pydoc_calib.txt"
+DATASET = str(text_file("pydoc_calib.txt"))
 FLOPS = (0.85, 0.70, 0.58)
 MODEL = "smollm2-135m"
 

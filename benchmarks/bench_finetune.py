@@ -13,13 +13,14 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
+
 import platform
 import sys
 import time
 from pathlib import Path
 
 import torch
+from _paths import data_dir
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
@@ -27,10 +28,9 @@ sys.path.insert(0, str(ROOT))
 from rana.finetune import FinetuneConfig, finetune  # noqa: E402
 from rana.units import parse_tokens  # noqa: E402
 
-DATA = Path(os.environ.get("RANA_SHARED_DATA", ROOT.parent / "shared" / "data")) / "text"
+DATA = data_dir() / "text"
 TRAIN, HELDOUT = DATA / "pydoc_calib.txt", DATA / "pydoc_heldout.txt"
 RESULTS = ROOT / "benchmarks" / "results"
-
 
 def compressed_dir(args) -> Path:
     if args.rana_dir and (Path(args.rana_dir) / "rana_config.json").is_file():
@@ -49,12 +49,10 @@ def compressed_dir(args) -> Path:
     print(f"compressed in {time.perf_counter() - t0:.0f}s -> {out}", flush=True)
     return out
 
-
 def heldout_stream(tokenizer, args) -> torch.Tensor:
     from rana.data import load_texts, tokenize_stream
 
     return tokenize_stream(load_texts(str(HELDOUT)), tokenizer)[: args.eval_tokens // args.seq_len * args.seq_len]
-
 
 def reloaded_perplexity(folder: Path, args) -> float:
     from rana.evaluate import perplexity
@@ -63,7 +61,6 @@ def reloaded_perplexity(folder: Path, args) -> float:
     model, tok = load(folder)
     return perplexity(model, heldout_stream(tok, args), seq_len=args.seq_len, batch_size=args.batch_size,
                       progress=False)["ppl"]
-
 
 @torch.no_grad()
 def fp_sensitivity(folder: Path, args, rel: float = 1e-6) -> dict:
@@ -83,7 +80,6 @@ def fp_sensitivity(folder: Path, args, rel: float = 1e-6) -> dict:
             "max_abs_logit_change": float((base.logits - pert.logits).abs().max()),
             "mean_abs_logit_change": float((base.logits - pert.logits).abs().mean())}
 
-
 @torch.no_grad()
 def dense_perplexity(args) -> float:
     """The uncompressed SmolLM2 on the same held-out windows (the ceiling fine-tuning works towards)."""
@@ -94,14 +90,12 @@ def dense_perplexity(args) -> float:
     return perplexity(model, heldout_stream(tok, args), seq_len=args.seq_len, batch_size=args.batch_size,
                       progress=False)["ppl"]
 
-
 def laurel_macs_per_token(summary: dict, hidden: int, layers: int) -> float:
     """Extra MACs/token of LAuReL: 2·r·D per low-rank residual (2 residuals per layer); scalars ignored."""
     cfg = summary.get("laurel")
     if not cfg or "lr" not in cfg["variant"].split("+"):
         return 0.0
     return 2.0 * cfg["rank"] * hidden * len(cfg["targets"]) * layers
-
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -187,7 +181,6 @@ def main() -> None:
     (results / "finetune.md").write_text(render(info, rows) + "\n")
     print(render(info, rows))
 
-
 def render(info: dict, rows: list[dict]) -> str:
     lines = [
         "# Fine-tuning a RaNA-compressed SmolLM2-135M",
@@ -229,7 +222,6 @@ def render(info: dict, rows: list[dict]) -> str:
                   "and its merged copy (equal to ~1e-6 on the tiny test models) score differently here: compare the "
                   "'saved folder' column across variants."]
     return "\n".join(lines)
-
 
 if __name__ == "__main__":
     main()

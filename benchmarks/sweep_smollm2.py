@@ -17,24 +17,24 @@ CPU-heavy: expect minutes per point at the defaults; cut --calib-tokens / --eval
 from __future__ import annotations
 
 import argparse
-import os
+
 import platform
 import sys
 import time
 from pathlib import Path
 
 import torch
+from _paths import data_dir
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from rana.sweep import SweepConfig, run_sweep  # noqa: E402
 
-SHARED = Path(os.environ.get("RANA_SHARED_DATA", ROOT.parent / "shared" / "data"))
+SHARED = data_dir()
 CALIB = SHARED / "text" / "pydoc_calib.txt"
 EVAL_TEXTS = [SHARED / "text" / "pydoc_heldout.txt", SHARED / "text" / "shakespeare.txt", SHARED / "eval" / "wikitext2_test.raw"]
 OUT = ROOT / "benchmarks" / "results" / "sweep_smollm2"
-
 
 def main(argv: list[str] | None = None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -79,7 +79,6 @@ def main(argv: list[str] | None = None) -> dict:
     console.print(f"wrote {args.out}/results.md, results.json, points/ and figures in {time.perf_counter() - t0:.0f}s",
                   highlight=False)
     return results
-
 
 if __name__ == "__main__":
     main()
