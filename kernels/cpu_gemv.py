@@ -44,7 +44,8 @@ from pathlib import Path
 
 import torch
 
-__all__ = ["native_kernel", "native_status", "masked_gemv_native", "masked_linear_native", "native_limit", "MODE_IDS"]
+__all__ = ["native_kernel", "native_status", "masked_gemv_native", "masked_linear_native", "native_limit", "MODE_IDS",
+           "dense_streak", "reset_dense_streaks", "library_name", "BUILD_ATTEMPTS", "DENSE_STREAK"]
 
 MODE_IDS = {"none": 0, "square": 1, "abs_scaled": 2, "abs": 3}
 _ABS_SCALED, _ABS = MODE_IDS["abs_scaled"], MODE_IDS["abs"]
@@ -140,8 +141,10 @@ int64_t rana_masked_gemv_f32(const float* __restrict w, const float* __restrict 
     return n;
 }
 """
-_FLAGS = ("-O3", "-march=native", "-shared", "-fPIC")
-_OPENMP_FLAG = "-fopenmp"  # dropped when the compiler cannot link OpenMP (single-threaded kernel)
+BUILD_FLAGS = ("-O3", "-march=native", "-shared", "-fPIC")
+OPENMP_FLAG = "-fopenmp"
+# tried in order: with OpenMP, then without it when the compiler cannot link OpenMP (single-threaded kernel)
+BUILD_ATTEMPTS = ((*BUILD_FLAGS, OPENMP_FLAG), BUILD_FLAGS)
 
 
 class _UnsafeCache(Exception):
@@ -228,7 +231,7 @@ def _build(compiler: str, flags: tuple[str, ...], folder: Path, name: str) -> Pa
     return tmp / name
 
 
-def _library_name(compiler: str, flags: tuple[str, ...]) -> str:
+def library_name(compiler: str, flags: tuple[str, ...]) -> str:
     """The cached library's file name: a hash of everything the build depends on."""
     key = hashlib.sha256("\0".join([_SOURCE, compiler, *flags, platform.machine(), platform.node()]).encode())
     return f"rana_cpu_gemv_{key.hexdigest()[:16]}.so"
@@ -240,7 +243,7 @@ def _compile(compiler: str, flags: tuple[str, ...]) -> tuple[ctypes.CDLL, str]:
 
     Compiler errors propagate (the caller reports them). An unusable cache raises _UnsafeCache;
     an unwritable one falls back to a private temporary folder, removed once the library is loaded."""
-    name = _library_name(compiler, flags)
+    name = library_name(compiler, flags)
     try:
         folder = _private_cache()
     except OSError:
@@ -279,7 +282,7 @@ def _load() -> tuple[object | None, str]:
         return None, (f"torch fallback (native kernel build failed: C compiler {requested!r} not found)" if requested
                       else "torch fallback (no C compiler found; set CC)")
     error = ""
-    for flags in ((*_FLAGS, _OPENMP_FLAG), _FLAGS):
+    for flags in BUILD_ATTEMPTS:
         try:
             lib, note = _compile(compiler, flags)
         except _UnsafeCache as exc:
@@ -292,7 +295,7 @@ def _load() -> tuple[object | None, str]:
         p, i64 = ctypes.c_void_p, ctypes.c_int64
         fn.argtypes = [p, p, i64, i64, i64, ctypes.c_float, ctypes.c_int, p, p, p, i64, p, ctypes.c_int]
         fn.restype = i64
-        threading_note = "OpenMP" if _OPENMP_FLAG in flags else "single-threaded"
+        threading_note = "OpenMP" if OPENMP_FLAG in flags else "single-threaded"
         return fn, f"native ({os.path.basename(compiler)} {' '.join(flags[:2])}, {threading_note}){note}"
     return None, f"torch fallback (native kernel build failed: {error[:200]})"
 
@@ -350,12 +353,12 @@ def masked_linear_native(weight: torch.Tensor, v: torch.Tensor, threshold: float
     if mode_id == _ABS and limit is None and v.dtype is torch.float32:
         if threshold <= 0:  # |v| >= t holds for every input: the plain dense product
             return torch.nn.functional.linear(v, weight, bias)
-        streak = _dense_streak.get(key, 0)
+        streak = _DENSE_STREAKS.get(key, 0)
         if streak > 0:
             # |v| >= t masking and this weight's last scan found it mostly active: take the dense branch
             # without scanning, masking with one fused op (|v| > the float below t  <=>  |v| >= t in
             # fp32). Plain differentiable torch ops, so none of the checks below are needed.
-            _dense_streak[key] = streak - 1
+            _DENSE_STREAKS[key] = streak - 1
             return torch.nn.functional.linear(torch.nn.functional.hardshrink(v, _float_below(threshold)),
                                               weight, bias)
     N, K = weight.shape
@@ -381,21 +384,32 @@ def masked_linear_native(weight: torch.Tensor, v: torch.Tensor, threshold: float
     xm = _scratch_input(v.shape)
     n = fn(ptr, v.data_ptr(), K, N, weight.stride(1), threshold, mode_id, scale_ptr,
            None if bias is None else bias.data_ptr(), y.data_ptr(), limit, xm.data_ptr(), threads)
-    if len(_dense_streak) > _STREAK_ENTRIES:  # bounded: thresholds may be swept in one process
-        _dense_streak.clear()
+    if len(_DENSE_STREAKS) > _STREAK_ENTRIES:  # bounded: thresholds may be swept in one process
+        _DENSE_STREAKS.clear()
     if n > limit:  # mostly active: the dense BLAS GEMV on the masked input is faster
-        _dense_streak[key] = DENSE_STREAK
+        _DENSE_STREAKS[key] = DENSE_STREAK
         return torch.nn.functional.linear(xm, weight, bias)
-    _dense_streak[key] = 0
+    _DENSE_STREAKS[key] = 0
     return y
 
 
 # (weight address, threshold) -> tokens left on the dense branch before the next scan. A prediction
 # only: a wrong or stale entry costs time for at most DENSE_STREAK tokens, never correctness, since
 # both branches compute the same masked product.
-_dense_streak: dict[tuple[int, float], int] = {}
+_DENSE_STREAKS: dict[tuple[int, float], int] = {}
 DENSE_STREAK = 8
 _STREAK_ENTRIES = 1 << 16
+
+
+def dense_streak(weight: torch.Tensor, threshold: float) -> int:
+    """Tokens `weight` (N × K, as passed to masked_linear_native) at `threshold` will still take the
+    dense branch before its next scan (0: the next call scans)."""
+    return _DENSE_STREAKS.get((weight.data_ptr(), threshold), 0)
+
+
+def reset_dense_streaks() -> None:
+    """Forget every prediction: the next call for each weight scans its input."""
+    _DENSE_STREAKS.clear()
 
 
 @functools.lru_cache(maxsize=4096)

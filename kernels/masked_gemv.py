@@ -49,7 +49,6 @@ __all__ = [
 ]
 
 MODES = ("square", "abs_scaled", "abs")
-_MODE_ID = {"none": 0, "square": 1, "abs_scaled": 2, "abs": 3}
 
 # Torch fast path on CPU: gather the active rows (embedding_bag with per-sample weights, no
 # copy of the rows) while the active fraction is below this value, else the dense masked
@@ -165,10 +164,10 @@ def masked_gemv_torch(w_t, v, threshold, *, mode: str, scale=None, bias=None) ->
         return masked_gemv_dense(w_t, v, threshold, mode=mode, scale=scale, bias=bias)
     t = -math.inf if _all_active(threshold) else float(threshold)
     y = masked_gemv_native(w_t, v, t, mode, scale=scale, bias=bias)
-    return y if y is not None else _gather_torch(w_t, v, threshold, mode, scale, bias)
+    return y if y is not None else masked_gemv_gather(w_t, v, threshold, mode, scale, bias)
 
 
-def _gather_torch(w_t, v, threshold, mode: str, scale, bias) -> torch.Tensor:
+def masked_gemv_gather(w_t, v, threshold, mode: str, scale, bias) -> torch.Tensor:
     """The CPU one-token path in torch ops (embedding_bag gather or dense masked)."""
     K, N = w_t.shape
     # every torch op costs microseconds here, comparable to a small GEMV: keep the op count low

@@ -40,10 +40,12 @@ import os
 
 import torch
 
+# one table of mask modes for every kernel: the ids are the C kernel's and the Triton kernel's ABI
+from .cpu_gemv import MODE_IDS
+
 __all__ = ["triton_available", "interpreting", "grouped_masked_gemv_triton", "choose_config", "tune",
            "MODE_IDS", "GemvConfig"]
 
-MODE_IDS = {"none": 0, "square": 1, "abs_scaled": 2, "abs": 3}
 MAX_GROUPS = 3
 
 

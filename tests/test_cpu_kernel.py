@@ -82,13 +82,13 @@ def test_dense_prediction_never_changes_the_result(native):
     w_t, _, _, _, b = _problem(K, N, torch.float32, "abs", 0.5, seed=21)
     g = torch.Generator().manual_seed(22)
     t = 0.8
-    cg._dense_streak.clear()
+    cg.reset_dense_streaks()
     calls = []
     for step in range(3 * cg.DENSE_STREAK):
         v = torch.randn(1, 1, K, generator=g) * (4.0 if step % 5 == 0 else 0.5)  # dense / sparse tokens
         y = cg.masked_gemv_native(w_t, v, t, "abs", bias=b)
         _assert_close(y, _expected(w_t, v, t, "abs", None, b), torch.float32)
-        calls.append(cg._dense_streak.get((w_t.t().data_ptr(), t), 0))
+        calls.append(cg.dense_streak(w_t.t(), t))
     assert max(calls) == cg.DENSE_STREAK and min(calls) == 0  # both branches were taken
     for t in (0.0, -1.0, float("-inf")):  # every input active: the plain product
         v = torch.randn(1, 1, K, generator=g)
@@ -136,7 +136,7 @@ def test_module_decode_path_equals_masked_formula(native, monkeypatch, branch):
     """Eval, one token, plain weights: the native path gives the module's own masked formula."""
     monkeypatch.setattr(cg, "native_limit", (lambda K, threads=1: K) if branch == "gather" else
                         (lambda K, threads=1: 0))
-    cg._dense_streak.clear()
+    cg.reset_dense_streaks()
     torch.manual_seed(1)
     for m in _modules():
         m.eval()

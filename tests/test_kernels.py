@@ -274,7 +274,7 @@ def test_dispatcher_routes_cpu(monkeypatch):
 
     monkeypatch.setattr(mg, "masked_gemv_triton", no_triton)
     monkeypatch.setattr(mg, "masked_gemv_native", spy("native", mg.masked_gemv_native))
-    monkeypatch.setattr(mg, "_gather_torch", spy("gather", mg._gather_torch))
+    monkeypatch.setattr(mg, "masked_gemv_gather", spy("gather", mg.masked_gemv_gather))
     monkeypatch.setattr(mg, "masked_gemv_dense", spy("dense", mg.masked_gemv_dense))
     w_t = torch.randn(32, 16)
     native = cg.native_kernel() is not None

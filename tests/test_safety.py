@@ -219,8 +219,8 @@ def _plant(cache: Path, marker: Path, tmp_path: Path, *, sidecar: str | None = N
     compiler = shutil.which(os.environ["CC"]) if os.environ.get("CC") else (
         shutil.which("cc") or shutil.which("gcc") or shutil.which("clang"))
     planted = []
-    for flags in ((*cg._FLAGS, cg._OPENMP_FLAG), cg._FLAGS):
-        target = cache / cg._library_name(compiler, flags)
+    for flags in cg.BUILD_ATTEMPTS:
+        target = cache / cg.library_name(compiler, flags)
         shutil.copy(lib, target)
         if sidecar is not None:
             (cache / (target.name + ".sha256")).write_text(sidecar or hashlib.sha256(lib.read_bytes()).hexdigest())

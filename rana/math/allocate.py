@@ -66,4 +66,5 @@ def allocate(curves: list[ErrorCurve], budget_macs: float) -> list[float]:
 
 
 def total_error(curves: list[ErrorCurve], fractions: list[float]) -> float:
+    """The objective `allocate` minimises: the summed error of every component at its fraction."""
     return float(sum(c.error_at(f) for c, f in zip(curves, fractions)))

@@ -1,4 +1,4 @@
-"""FLOP accounting of method.md §3, in multiply-accumulates (MACs) per token.
+"""FLOP accounting of docs/method.md §3, in multiply-accumulates (MACs) per token.
 
 Counted: every linear layer (adapted or not; o_proj and lm_head stay dense unless a method
 adapts them), the maskers' own products (the B-masker *is* `B x`), and attention's score and
@@ -8,7 +8,7 @@ Not counted: norms, activations, rotary embeddings, mask comparisons and the emb
 """
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 
 
 @dataclass(frozen=True)
@@ -70,17 +70,3 @@ def adapted_fraction(target: float, dense_total: float, adapted_dense: float) ->
     if adapted_dense <= 0:
         raise ValueError("no adapted components")
     return (target * dense_total - (dense_total - adapted_dense)) / adapted_dense
-
-
-def minimum_model_fraction(dense_total: float, adapted_dense: float, adapted_floor: float = 0.0) -> float:
-    """Smallest reachable model fraction when the adapted parts cost at least `adapted_floor` MACs."""
-    return (dense_total - adapted_dense + adapted_floor) / dense_total
-
-
-def rank_adapter_macs(in_features: int, out_features: int, rank: int, expected_active: float) -> float:
-    """`r·i` for B x (also the masker) + `o·E[k]` for the masked product with A."""
-    return float(rank * in_features + out_features * expected_active)
-
-
-def as_dict(d: LayerDims) -> dict:
-    return asdict(d)

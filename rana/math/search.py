@@ -18,7 +18,7 @@ from typing import Callable
 
 import torch
 
-from .masks import neuron_scores, threshold_for_keep_fraction
+from .masks import b_mask, neuron_scores, threshold_for_keep_fraction
 
 
 @dataclass(frozen=True)
@@ -153,7 +153,7 @@ def simplex_grid(parts: int, step: float) -> list[tuple[float, ...]]:
     return [(a * step, b * step, (n - a - b) * step) for a in range(1, n) for b in range(1, n - a)]
 
 
-def _adapted_output(comp: MlpComponent, choice: RankChoice, x: torch.Tensor, which: str) -> torch.Tensor:
+def _adapted_output(comp: MlpComponent, choice: RankChoice, x: torch.Tensor) -> torch.Tensor:
     """up'(x) / gate'(x) for a choice, computed from the stored codes (dense when rank 0)."""
     if choice.dense:
         return x.float() @ comp.weight.float().T
@@ -164,7 +164,7 @@ def _adapted_output(comp: MlpComponent, choice: RankChoice, x: torch.Tensor, whi
     B = comp.U[:, : choice.rank].T.float() @ comp.weight.float()
     z = x.float() @ B.T
     if choice.threshold != -math.inf:
-        z = z * (z * z >= choice.threshold)
+        z = z * b_mask(z, choice.threshold)
     return z @ comp.U[:, : choice.rank].float().T
 
 
@@ -216,7 +216,7 @@ def grid_search_mlp(
     def component(which: str, comp_budget: float):
         comp = up if which == "up" else gate
         choice = _best_projection_choice(comp, x_fit, x_eval, comp_budget, line_count)
-        return choice, _adapted_output(comp, choice, x_fit, which), _adapted_output(comp, choice, x_eval, which)
+        return choice, _adapted_output(comp, choice, x_fit), _adapted_output(comp, choice, x_eval)
 
     def hidden(u, g):
         return act(g) * u if g is not None else act(u)

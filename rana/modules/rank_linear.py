@@ -32,13 +32,6 @@ class RankAdapterLinear(MacMeter, nn.Module):
         self.macs_dense = float(self.in_features * self.out_features)
         self._init_meter()
 
-    @classmethod
-    def empty(cls, in_features: int, out_features: int, rank: int, bias: bool, dtype=None) -> "RankAdapterLinear":
-        """Shape-only construction for loading a saved model."""
-        kw = dict(dtype=dtype or torch.float32)
-        return cls(torch.zeros(out_features, rank, **kw), torch.zeros(rank, in_features, **kw),
-                   torch.zeros(out_features, **kw) if bias else None, 0.0)
-
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         z = self.B(x)
         if not self.training and not self.meter_on:
