@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import json
 import shutil
+from importlib.metadata import version
 from pathlib import Path
 
 from huggingface_hub import split_torch_state_dict_into_shards
@@ -120,8 +121,6 @@ def exported_config(meta: dict, config, model_cls: type) -> dict:
 
 def _rana_version() -> str | None:
     try:
-        from importlib.metadata import version
-
         return version("rana")
     except Exception:  # not installed as a distribution
         return None
