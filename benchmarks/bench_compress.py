@@ -64,7 +64,7 @@ def main() -> None:
     import torch
 
     from rana.data import load_texts, tokenize_stream
-    from rana.evaluate import perplexity
+    from rana.evaluation.perplexity import perplexity
     from rana.io import load
     from rana.loading import load_model
 

@@ -10,7 +10,7 @@ Writes benchmarks/results/decode_cpu.{md,json} (and decode_gpu.{md,json} when CU
 
 Two measurements per budget F, both *ratios to the dense model timed interleaved in the same run*:
 
-1. end to end: `rana.evaluate.latency_ratio` — median seconds per generated token of batch-1 greedy
+1. end to end: `rana.evaluation.latency_ratio` — median seconds per generated token of batch-1 greedy
    `generate` (KV cache, fixed length), compressed / dense; also with prefill subtracted (decode only).
 2. per adapted unit of every layer (q/k/v with their shared rank code, o, gate, up, down): on CPU
    the unit's modules are timed inside real greedy decoding (weights streamed from memory as in
@@ -368,7 +368,7 @@ def write_report(records: dict, device, args, env: str | None = None) -> None:
     lines = [f"# Batch-1 greedy decoding: compressed {MODEL} vs dense ({tag.upper()})", "", records["env"], "",
              f"- CPU masked GEMV: {records['kernel']}" if tag == "cpu" else "- GPU masked GEMV: Triton",
              f"- model {MODEL}, float32, rana method, calibration {args.calib_tokens} tokens of `{args.dataset}`",
-             f"- end to end: `rana.evaluate.latency_ratio`, prompt {records['prompt_tokens']} tokens, "
+             f"- end to end: `rana.evaluation.latency_ratio`, prompt {records['prompt_tokens']} tokens, "
              f"{args.new_tokens} new tokens, median of {args.repeats} runs after {args.warmup} warm-up, compressed and "
              "dense interleaved in the same run. ratio = compressed / dense seconds per token (< 1 is faster).",
              "", "## End to end", "",
@@ -417,7 +417,7 @@ def write_report(records: dict, device, args, env: str | None = None) -> None:
 
 # ------------------------------------------------------------------------------------ main
 def run_device(device, dense, models, tokenizer, args) -> dict:
-    from rana.evaluate import DEFAULT_PROMPT, latency_ratio
+    from rana.evaluation import DEFAULT_PROMPT, latency_ratio
 
     dense = dense.to(device)
     ids = tokenizer(DEFAULT_PROMPT, return_tensors="pt")["input_ids"]

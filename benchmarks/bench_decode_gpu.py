@@ -9,7 +9,7 @@ compression on the GPU fails (see the note in the output), it runs on the CPU in
 adapters are moved to the GPU. The per-layer budget is what F sets (the calibration model's vocabulary
 is tiny, so its embedding and head weigh nothing in F); the end-to-end model keeps a dense LM head.
 
-Timings come from `rana.evaluate.latency_ratio`, the harness of `rana eval --latency`: dense and rana
+Timings come from `rana.evaluation.latency_ratio`, the harness of `rana eval --latency`: dense and rana
 interleaved, each under eager `generate` (dynamic cache) and under static cache + torch.compile
 (CUDA graphs), a fresh StaticCache per run. Writes benchmarks/results/decode_gpu.md + .json.
 
@@ -103,7 +103,7 @@ def rana_model(dense, layers):
 
 
 def run(args) -> dict:
-    from rana.evaluate import latency_ratio
+    from rana.evaluation import latency_ratio
 
     device = torch.device("cpu" if args.smoke else "cuda")
     dtype = torch.float32 if args.smoke else torch.bfloat16

@@ -55,7 +55,7 @@ def heldout_stream(tokenizer, args) -> torch.Tensor:
     return tokenize_stream(load_texts(str(HELDOUT)), tokenizer)[: args.eval_tokens // args.seq_len * args.seq_len]
 
 def reloaded_perplexity(folder: Path, args) -> float:
-    from rana.evaluate import perplexity
+    from rana.evaluation.perplexity import perplexity
     from rana.io import load
 
     model, tok = load(folder)
@@ -83,7 +83,7 @@ def fp_sensitivity(folder: Path, args, rel: float = 1e-6) -> dict:
 @torch.no_grad()
 def dense_perplexity(args) -> float:
     """The uncompressed SmolLM2 on the same held-out windows (the ceiling fine-tuning works towards)."""
-    from rana.evaluate import perplexity
+    from rana.evaluation.perplexity import perplexity
     from rana.loading import load_model
 
     model, tok, _ = load_model("smollm2-135m")
@@ -150,7 +150,7 @@ def main() -> None:
         s = result.summary
         if before is None:
             before = {"loss": s["heldout_loss_before"], "ppl": s["heldout_ppl_before"]}
-        # what users get: the merged, saved folder, reloaded and scored with rana.evaluate.perplexity
+        # what users get: the merged, saved folder, reloaded and scored with rana.evaluation.perplexity
         reload_ppl = reloaded_perplexity(out, args)
         rows.append({
             "variant": name, "lr": s["lr"], "tokens": s["tokens_trained"], "steps": s["steps"],

@@ -62,8 +62,7 @@ def main(argv: list[str] | None = None) -> dict:
                          dense="dense" in args.methods.split(","), dataset=str(CALIB), calib_tokens=args.calib_tokens,
                          seq_len=args.seq_len, eval_tokens=args.eval_tokens, figure_flops=args.figure_flops,
                          allocation=args.allocation, device=args.device)
-    from rana.cli.common import LazyProgress, console, setup_environment
-    from rana.cli.evaluate_cmd import print_wide
+    from rana.cli.common import LazyProgress, console, print_wide, setup_environment
     from rana.cli.sweep_cmd import results_table
 
     setup_environment()

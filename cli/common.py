@@ -104,6 +104,19 @@ class LazyProgress:
             self._bar.stop()
 
 
+def print_wide(console, renderable) -> None:
+    """Tables are wide: in a terminal fit it, elsewhere (logs, pipes) do not squeeze to 80 columns."""
+    if console.is_terminal:
+        console.print(renderable)
+        return
+    old = console.width
+    console.width = max(old, 220)
+    try:
+        console.print(renderable)
+    finally:
+        console.width = old
+
+
 def setup_environment() -> None:
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     if not sys.warnoptions:

@@ -1,7 +1,6 @@
 """`rana eval MODEL_OR_DIR [--compare DIR2 …] --ppl-data FILE --tasks … --latency --json OUT.json`."""
 from __future__ import annotations
 
-import gc
 import json
 import os
 from pathlib import Path
@@ -10,7 +9,7 @@ from typing import List, Optional
 import typer
 from rich.table import Table
 
-from .common import LazyProgress, check_inputs, console, friendly
+from .common import LazyProgress, check_inputs, console, friendly, print_wide
 from .common import out as stdout
 
 
@@ -70,19 +69,6 @@ def _short(name: str) -> str:
     return p.name if p.exists() and p.name else name
 
 
-def print_wide(console, renderable) -> None:
-    """Tables are wide: in a terminal fit it, elsewhere (logs, pipes) do not squeeze to 80 columns."""
-    if console.is_terminal:
-        console.print(renderable)
-        return
-    old = console.width
-    console.width = max(old, 220)
-    try:
-        console.print(renderable)
-    finally:
-        console.width = old
-
-
 def _limit(value: Optional[float]):
     if value is None:
         return None
@@ -133,19 +119,13 @@ def register(app: typer.Typer) -> None:
         device: str = typer.Option("cpu", help="compute device (cpu, cuda, …)"),
     ) -> None:
         """Perplexity, measured FLOPs, lm-eval tasks and decode latency of compressed and dense models."""
-        from rana.evaluation import evaluate_model, eval_tokens as read_tokens, layer_errors as block_errors, load_for_eval
-        from rana.evaluation import ppl_protocol
         from rana.checks import check_device
-        from rana.evaluate import check_tasks
-        from rana.loading import load_model
+        from rana.evaluation import check_request, check_tasks, evaluate_models
         from rana.units import DTYPES
 
         refs = list(models) + [c.strip() for item in compare for c in item.split(",") if c.strip()]
         task_list = [t.strip() for t in (tasks or "").split(",") if t.strip()]
-        if not ppl_data and not task_list and not latency:
-            raise ValueError("nothing to evaluate: pass --ppl-data FILE (perplexity + measured FLOPs), --tasks and/or --latency")
-        if layer_errors and not ppl_data:
-            raise ValueError("--layer-errors runs on the first --ppl-data text: pass one")
+        check_request(ppl_sources=ppl_data, tasks=task_list, latency=latency, layer_errors=layer_errors)
         if latency_mode not in ("auto", "compiled", "eager"):
             raise ValueError(f"--latency-mode must be auto, compiled or eager, got {latency_mode!r}")
         if seq_len < 2:
@@ -175,55 +155,22 @@ def register(app: typer.Typer) -> None:
         check_output_file(json_out, [p for r in refs + ([dense] if dense else []) for p in model_inputs(r)]
                           + local_inputs(*ppl_data), "--json")
 
-        dense_cache: dict[str, tuple] = {}
-
-        def dense_for(loaded):
-            ref = dense or loaded.dense_reference
-            if ref is None:
-                raise ValueError(f"no dense model known for '{loaded.reference}' (plan.json names none): pass --dense REF")
-            if loaded.kind == "dense" and dense is None:
-                return loaded.model
-            if ref not in dense_cache:
-                dense_cache.clear()
-                console.print(f"loading dense model {ref}", highlight=False)
-                dense_cache[ref] = load_model(ref, dtype=dtype, device=device)[:2]
-            return dense_cache[ref][0]
-
-        rows = []
         with LazyProgress("eval") as progress:
-            for i, ref in enumerate(refs):
-                loaded = load_for_eval(ref, dtype=dtype, device=device)  # before the first bar: load errors stay one line
-                progress("models", i, len(refs))
-                if loaded.tokenizer is None:
-                    raise ValueError(f"'{ref}' has no tokenizer and plan.json names no model to take it from")
-                dense_model = dense_for(loaded) if (latency or layer_errors) else None
-                row = evaluate_model(loaded.model, loaded.tokenizer, ppl_sources=list(ppl_data), seq_len=seq_len,
-                                     batch_size=batch_size, max_tokens=eval_tokens, text_column=text_column,
-                                     tasks=task_list, include_path=include_path, task_data=task_data, limit=lim,
-                                     num_fewshot=num_fewshot, latency=latency, dense_model=dense_model,
-                                     latency_new_tokens=latency_tokens, latency_repeats=latency_repeats,
-                                     latency_mode=None if latency_mode == "auto" else latency_mode,
-                                     name=ref, plan=loaded.plan, progress=progress)
-                row["reference"], row["kind"] = ref, loaded.kind
-                row["dense_reference"] = dense or loaded.dense_reference
-                if layer_errors:
-                    tokens = read_tokens(ppl_data[0], loaded.tokenizer, max_tokens=layer_error_tokens, text_column=text_column)
-                    row["layer_errors"] = block_errors(loaded.model, dense_model, tokens, seq_len=seq_len,
-                                                       batch_size=batch_size, max_tokens=layer_error_tokens)
-                    row["layer_errors_on"] = f"first {layer_error_tokens} tokens of {ppl_data[0]}"
-                rows.append(row)
-                del loaded
-                gc.collect()
-                progress("models", i + 1, len(refs))
-
-        results = {"models": rows, "seq_len": seq_len, "eval_tokens": eval_tokens,
-                   "protocol": ppl_protocol(seq_len, eval_tokens) if ppl_data else None}
+            results = evaluate_models(refs, ppl_sources=list(ppl_data), seq_len=seq_len, batch_size=batch_size,
+                                      max_tokens=eval_tokens, text_column=text_column, tasks=task_list,
+                                      include_path=include_path, task_data=task_data, limit=lim,
+                                      num_fewshot=num_fewshot, latency=latency, latency_new_tokens=latency_tokens,
+                                      latency_repeats=latency_repeats,
+                                      latency_mode=None if latency_mode == "auto" else latency_mode,
+                                      layer_errors=layer_errors, layer_error_tokens=layer_error_tokens, dense=dense,
+                                      dtype=dtype, device=device, progress=progress,
+                                      log=lambda msg: console.print(msg, highlight=False))
         print_wide(stdout, eval_table(results))
         if ppl_data:
             stdout.print(f"protocol: {results['protocol']}", highlight=False)
             stdout.print("FLOPs: average per-token FLOPs the masks actually took on the evaluation tokens, as a fraction "
                          "of the dense model (attn/mlp/other: fraction of each part's dense cost)", highlight=False)
-        for r in rows:
+        for r in results["models"]:
             if r.get("layer_errors"):
                 print_wide(stdout, layer_error_table(r))
         if json_out is not None:

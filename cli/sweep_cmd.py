@@ -7,9 +7,8 @@ from typing import List, Optional
 import typer
 from rich.table import Table
 
-from .common import LazyProgress, check_inputs, console, fail, friendly
+from .common import LazyProgress, check_inputs, console, fail, friendly, print_wide
 from .common import out as stdout
-from .evaluate_cmd import print_wide
 
 
 def _floats(text: str) -> list[float]:

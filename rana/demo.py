@@ -83,7 +83,8 @@ def run(args: argparse.Namespace) -> dict:
 
     import rana
     from rana.card import add_evaluation
-    from rana.cli.evaluate_cmd import eval_table, print_wide
+    from rana.cli.common import print_wide
+    from rana.cli.evaluate_cmd import eval_table
     from rana.compress import calibration_data, compress_model
     from rana.config import CompressConfig
     from rana.data import BUNDLED_CORPUS, BUNDLED_HELDOUT

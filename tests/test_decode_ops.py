@@ -249,12 +249,12 @@ def test_bench_kernels_gpu_smoke(tmp_path):
 
 def test_bench_decode_gpu_smoke(tmp_path, monkeypatch):
     """The decode benchmark end to end on a tiny model (compression, repeated layers, both harnesses);
-    the compiled harness uses the eager backend here (the harness itself is tested in test_evaluate)."""
+    the compiled harness uses the eager backend here (the harness itself is tested in test_evaluation_measures)."""
     import importlib.util
 
-    import rana.evaluate as ev
+    import rana.evaluation.latency as latency
 
-    make = ev._generation_config
+    make = latency.generation_config
 
     def eager_backend(*args):
         config = make(*args)
@@ -262,7 +262,7 @@ def test_bench_decode_gpu_smoke(tmp_path, monkeypatch):
             config.compile_config.backend = "eager"
         return config
 
-    monkeypatch.setattr(ev, "_generation_config", eager_backend)
+    monkeypatch.setattr(latency, "generation_config", eager_backend)
     spec = importlib.util.spec_from_file_location("bench_decode_gpu", REPO / "benchmarks" / "bench_decode_gpu.py")
     bench = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(bench)

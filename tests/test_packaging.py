@@ -16,11 +16,15 @@ def test_wheel_maps_cli_and_kernels_under_rana(tmp_path):
     assert "cli" not in tops and "kernels" not in tops
     assert "rana/cli/app.py" in names and "rana/kernels/masked_gemv.py" in names
     assert any(n.startswith("rana/assets/") for n in names)  # bundled calibration corpus
+    # the command packages, the remote-code templates every export renders, the offline lm-eval task templates
+    assert {"rana/evaluation/run.py", "rana/sweep/run.py", "rana/export/run.py", "rana/export/template/modeling_rana.py",
+            "rana/export/template/configuration_rana.py", "rana/tasks/hellaswag_local.yaml"} <= set(names)
     target = tmp_path / "site"
     subprocess.run([sys.executable, "-m", "pip", "install", "--no-deps", "-q", "--target", str(target), str(wheel)],
                    check=True)
     assert not (target / "cli").exists() and not (target / "kernels").exists()
-    code = "import rana.cli.app, rana.kernels.masked_gemv, rana.compress; print(rana.cli.app.__file__)"
+    code = ("import rana.cli.app, rana.kernels.masked_gemv, rana.compress, rana.evaluation, rana.sweep, rana.export; "
+            "assert (rana.export.render.TEMPLATE_DIR / 'modeling_rana.py').is_file(); print(rana.cli.app.__file__)")
     res = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, env={"PYTHONPATH": str(target), "PATH": ""},
                          capture_output=True, text=True)
     assert res.returncode == 0, res.stderr

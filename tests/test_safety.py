@@ -305,9 +305,9 @@ def test_cache_is_created_private(tmp_path):
 @needs_cc
 def test_exported_kernel_copy_follows_the_same_rules(tmp_path):
     """The export ships cpu_gemv.py flat: it imports nothing from rana and refuses the same plant."""
-    from rana.export import SHIPPED_MODULES, _module_source, _rewrite_imports
+    from rana.export import SHIPPED_MODULES, module_source, rewrite_imports
 
-    source = _rewrite_imports("rana.kernels.cpu_gemv", _module_source("rana.kernels.cpu_gemv"), SHIPPED_MODULES)
+    source = rewrite_imports("rana.kernels.cpu_gemv", module_source("rana.kernels.cpu_gemv"), SHIPPED_MODULES)
     assert "rana" not in "".join(line for line in source.splitlines() if line.lstrip().startswith(("import", "from")))
     shipped = tmp_path / "export" / "cpu_gemv.py"
     shipped.parent.mkdir()

@@ -39,7 +39,7 @@ def _args(root, out, methods, flops="0.85", *extra):
 
 
 def test_sweep_writes_results_and_resumes(setup, tmp_path, monkeypatch):
-    import rana.sweep
+    import rana.sweep.run
     from rana.cli.app import app
 
     out = tmp_path / "sw"
@@ -67,8 +67,8 @@ def test_sweep_writes_results_and_resumes(setup, tmp_path, monkeypatch):
 
     # second run: every point (dense included) is read back, nothing is compressed or evaluated
     calls = []
-    monkeypatch.setattr(rana.sweep, "compress_model", lambda *a, **k: calls.append("compress"))
-    monkeypatch.setattr(rana.sweep, "evaluate_model", lambda *a, **k: calls.append("evaluate"))
+    monkeypatch.setattr(rana.sweep.run, "compress_model", lambda *a, **k: calls.append("compress"))
+    monkeypatch.setattr(rana.sweep.run, "evaluate_model", lambda *a, **k: calls.append("evaluate"))
     mtimes = {p.name: p.stat().st_mtime_ns for p in (out / "points").iterdir()}
     res = CliRunner().invoke(app, _args(setup, out, "teal,cats"))
     assert res.exit_code == 0, res.output
@@ -113,7 +113,7 @@ def test_sweep_rank_method_figures_and_infeasible_budget(setup, tmp_path):
 
 
 def test_layer_budget_plot_only_when_plans_vary(tmp_path):
-    from rana import plots
+    from rana.sweep import plots
 
     def point(fracs):
         return {"method": "rana", "target_flops": 0.7, "status": "ok",

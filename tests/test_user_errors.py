@@ -77,12 +77,12 @@ def one_line_error(res, *needles: str) -> str:
 def no_model_load(monkeypatch):
     """Fail the test if a command gets as far as loading a model (the error must come first)."""
     import rana.compress
-    import rana.evaluation
+    import rana.evaluation.run
 
     def refuse(*a, **k):
         raise AssertionError("a model was loaded before the bad input was reported")
 
-    monkeypatch.setattr(rana.evaluation, "load_for_eval", refuse)
+    monkeypatch.setattr(rana.evaluation.run, "load_for_eval", refuse)
     monkeypatch.setattr(rana.compress, "compress", refuse)
 
 
@@ -292,7 +292,7 @@ def small_task_index(monkeypatch):
     tests stay fast (the checks themselves are unchanged)."""
     import lm_eval.tasks
 
-    import rana.evaluate
+    import rana.evaluation.harness
 
     real = lm_eval.tasks.TaskManager
 
@@ -301,7 +301,7 @@ def small_task_index(monkeypatch):
             super().__init__(*a, include_defaults=False, **k)
 
     monkeypatch.setattr(lm_eval.tasks, "TaskManager", Small)
-    monkeypatch.setattr(rana.evaluate, "_MANAGERS", {})
+    monkeypatch.setattr(rana.evaluation.harness, "TASK_MANAGERS", {})
 
 
 def test_unknown_and_offline_tasks_are_refused_before_loading(work, tmp_path, no_model_load, small_task_index):

@@ -11,30 +11,22 @@ from __future__ import annotations
 import copy
 import gc
 import json
-import math
-import os
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
 
 import torch
 
-from .compress import BudgetError, calibration_data, compress_model
-from .config import METHODS, CompressConfig
-from .evaluation import eval_tokens, evaluate_model, ppl_protocol, rank_adapters, rank_contributions, text_name
+from ..compress import BudgetError, calibration_data, compress_model
+from ..config import METHODS, CompressConfig
+from ..evaluation import Progress, eval_tokens, evaluate_model, ppl_protocol, rank_adapters, rank_contributions, text_labels
+from ..io import save
+from ..loading import load_model
+from ..paths import check_output, local_inputs, model_inputs
+from .report import DENSE, describe_point, layer_summary, point_name, write_json, write_outputs
 
-Progress = Callable[[str, int, "int | None"], None]
 Log = Callable[[str], None]
-
-DENSE = "dense"
-FIGURE_FILES = {
-    "ppl_vs_flops": "ppl_vs_flops.png",
-    "layer_errors": "layer_errors.png",
-    "rank_contributions": "rank_contributions.png",
-    "layer_budget": "layer_budget.png",
-}
 
 
 @dataclass
@@ -122,49 +114,11 @@ class SweepConfig:
         return d
 
 
-def point_name(method: str, flops: float | None = None) -> str:
-    return DENSE if method == DENSE else f"{method}_{flops:g}"
-
-
-def _write_json(path: Path, obj: Any) -> None:
-    """Atomic: a point file is either complete or absent."""
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    tmp.write_text(json.dumps(obj, indent=2, default=float) + "\n")
-    os.replace(tmp, path)
-
-
 def _read_point(path: Path) -> dict | None:
     try:
         return json.loads(path.read_text())
     except (OSError, ValueError):
         return None
-
-
-def layer_summary(plan: dict) -> list[dict]:
-    """Per layer: held-aside relative error of the attention (QKV) and MLP blocks and the FLOP
-    fraction the plan expected each block to spend (expected MACs / dense MACs of its parts).
-    A block the plan left dense spends 1.0; its error is 0.0 if the method adapts that part
-    elsewhere (a per-layer allocation kept it dense) and None if the method never adapts it."""
-    layers = plan.get("layers", [])
-    alloc = (plan.get("allocation") or {}).get("fractions") or []
-    adapted = {part for e in layers for part in ("attention", "mlp") if e.get(part)}
-    adapted |= {part for f in alloc if isinstance(f, dict) for part in f if part in ("attention", "mlp")}
-    rows = []
-    for entry in layers:
-        row: dict[str, Any] = {"layer": entry["layer"]}
-        for part in ("attention", "mlp"):
-            blk = entry.get(part)
-            if not blk:
-                row[f"{part}_error"] = 0.0 if part in adapted else None
-                row[f"{part}_fraction"] = 1.0
-                continue
-            comps = list(blk.get("components", {}).values())
-            dense = sum(c.get("dense_macs") or 0.0 for c in comps)
-            expected = sum(c.get("expected_macs") or 0.0 for c in comps)
-            row[f"{part}_error"] = blk.get("heldout_error")
-            row[f"{part}_fraction"] = expected / dense if dense else None
-        rows.append(row)
-    return rows
 
 
 class Sweep:
@@ -180,25 +134,12 @@ class Sweep:
         self._model = self._tokenizer = None
         self._calibration = None
         self._tokens: dict[str, torch.Tensor] | None = None
-        self.texts = self._text_names()
+        self.texts = text_labels(self.cfg.ppl_data)
 
     # ------------------------------------------------------------------ lazy shared state
 
-    def _text_names(self) -> list[str]:
-        names, seen = [], set()
-        for s in self.cfg.ppl_data:
-            name, k = text_name(s), 2
-            base = name
-            while name in seen:
-                name, k = f"{base}_{k}", k + 1
-            seen.add(name)
-            names.append(name)
-        return names
-
     def model(self):
         if self._model is None:
-            from .loading import load_model
-
             self.log(f"loading {self.cfg.model}")
             self._model, self._tokenizer, _ = load_model(self.cfg.model, dtype=self.cfg.dtype, device=self.cfg.device)
         return self._model, self._tokenizer
@@ -263,10 +204,8 @@ class Sweep:
             plan = result.plan
             plan["model"] = self.cfg.model
             name = point_name(method, flops)
-            _write_json(self.points_dir / f"{name}.plan.json", plan)
+            write_json(self.points_dir / f"{name}.plan.json", plan)
             if self.cfg.save_models:
-                from .io import save
-
                 save(result.model, tok, self.out / "models" / name, plan=plan, overwrite=True,
                      extra={"method": method, "compress_config": config.to_dict()})
             t0 = time.perf_counter()
@@ -303,7 +242,7 @@ class Sweep:
                 point["eval_settings"] = self.cfg.eval_settings()
                 if method != DENSE:
                     point["compress_settings"] = self.cfg.compress_settings()
-                _write_json(self._path(method, flops), point)
+                write_json(self._path(method, flops), point)
                 self.log(describe_point(point, self.texts))
             points.append(point)
             gc.collect()  # the point's compressed copy is gone; free it before the next deep copy
@@ -332,110 +271,8 @@ class Sweep:
         }
 
 
-def describe_point(p: dict, texts: list[str]) -> str:
-    name = point_name(p["method"], p.get("target_flops") if p["method"] != DENSE else None)
-    if p.get("status") != "ok":
-        return f"{name}: {p.get('status')}: {p.get('error', '')}"
-    ppl = ", ".join(f"{t} {p['ppl'][t]['ppl']:.3f}" for t in texts if t in p["ppl"])
-    return f"{name}: measured FLOPs {p['flops']['fraction']:.4f} of dense; ppl {ppl}"
-
-
 def run_sweep(config: SweepConfig, *, progress: Progress | None = None, log: Log | None = None) -> dict:
     """Run (or resume) a sweep and write its outputs under `config.out`; returns results.json's content."""
-    from .paths import check_output, local_inputs, model_inputs
-
     check_output(config.out, model_inputs(config.model) + local_inputs(config.dataset, *config.ppl_data),
                  resumable=("sweep folder",))
     return Sweep(config, progress=progress, log=log).run()
-
-
-# ---------------------------------------------------------------------- outputs
-
-
-def _fmt(x, spec: str = ".3f") -> str:
-    if x is None:
-        return "—"
-    if isinstance(x, float) and not math.isfinite(x):
-        return str(x)
-    return format(x, spec)
-
-
-def results_markdown(results: dict) -> str:
-    texts = results["texts"]
-    cfg = results["config"]
-    lines = [f"# Sweep: {results['model']}", ""]
-    cal = results["calibration"]
-    lines += [f"- calibration: {cal['dataset']}, {cal['tokens']} tokens in {cal['seq_len']}-token windows "
-              f"(the held-aside part gives the `held-aside FLOPs` column)",
-              "- evaluation texts: " + ", ".join(f"{t} ({results['text_sources'][t]}, {results['eval_tokens_used'].get(t, '?')} tokens)"
-                                             for t in texts),
-              f"- protocol: {results['protocol']}",
-              "- `measured FLOPs` is the average per-token FLOPs the masks actually took on all evaluation tokens, "
-              "as a fraction of the dense model; `attn`/`mlp` are fractions of those parts' dense cost", ""]
-    head = ["method", "target", "measured FLOPs", "GFLOPs/tok", "attn", "mlp", "held-aside FLOPs"] + [f"ppl {t}" for t in texts]
-    lines += ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
-    for p in results["points"]:
-        target = "dense" if p["method"] == DENSE else _fmt(p["target_flops"], "g")
-        if p.get("status") != "ok":
-            row = [p["method"], target, f"{p.get('status')}: {p.get('error', '').splitlines()[0] if p.get('error') else ''}"]
-            row += [""] * (len(head) - len(row))
-        else:
-            fl = p["flops"]
-            row = [p["method"], target, _fmt(fl["fraction"], ".4f"), _fmt(fl["gflops_per_token"], ".4g"),
-                   _fmt(fl["by_part"]["attention"]["fraction_of_part"]), _fmt(fl["by_part"]["mlp"]["fraction_of_part"]),
-                   _fmt(p.get("heldout_flops"), ".4f")]
-            row += [_fmt(p["ppl"][t]["ppl"]) if t in p["ppl"] else "—" for t in texts]
-        lines.append("| " + " | ".join(row) + " |")
-    figs = results.get("figures") or {}
-    if figs:
-        lines += ["", "## Figures", ""]
-        for key, f in figs.items():
-            if f:
-                lines.append(f"- {key}: [{f}]({f})")
-        for key, why in (results.get("figures_skipped") or {}).items():
-            lines.append(f"- {key}: not drawn ({why})")
-    lines.append("")
-    lines.append(f"Settings: `{json.dumps({k: cfg.get(k) for k in ('methods', 'flops', 'allocation', 'seq_len', 'eval_tokens', 'calib_tokens', 'seed')})}`")
-    return "\n".join(lines) + "\n"
-
-
-def write_figures(results: dict, out: Path) -> tuple[dict, dict]:
-    """Draw the figures; returns ({figure: file name}, {figure: why skipped})."""
-    from . import plots
-
-    out = Path(out)
-    points, texts, budget = results["points"], results["texts"], results.get("figure_flops")
-    figures, skipped = {}, {}
-    ok = [p for p in points if p.get("status") == "ok"]
-    title = results["model"]
-    if ok:
-        plots.plot_ppl_vs_flops(ok, texts, out / FIGURE_FILES["ppl_vs_flops"], title=title)
-        figures["ppl_vs_flops"] = FIGURE_FILES["ppl_vs_flops"]
-    at_budget = [p for p in ok if p["method"] != DENSE and budget is not None and abs(p["target_flops"] - budget) < 1e-9]
-    if at_budget:
-        plots.plot_layer_errors(at_budget, budget, out / FIGURE_FILES["layer_errors"], title=title)
-        figures["layer_errors"] = FIGURE_FILES["layer_errors"]
-    else:
-        skipped["layer_errors"] = "no compressed point at the figure budget"
-    hist_point = next((p for m in ("rana-paper", "rana", "svd") for p in at_budget
-                       if p["method"] == m and p.get("rank_contributions")), None)
-    if hist_point is not None:
-        plots.plot_rank_contributions(hist_point["rank_contributions"], out / FIGURE_FILES["rank_contributions"],
-                                      title=f"{title}: {hist_point['method']} @ {hist_point['target_flops']:g}, rank contributions")
-        figures["rank_contributions"] = FIGURE_FILES["rank_contributions"]
-    else:
-        skipped["rank_contributions"] = "no rank-adapter method (rana-paper, rana, svd) at the figure budget"
-    if at_budget and plots.layer_budget_varies(at_budget, budget):
-        plots.plot_layer_budget(at_budget, budget, out / FIGURE_FILES["layer_budget"], title=title)
-        figures["layer_budget"] = FIGURE_FILES["layer_budget"]
-    elif at_budget:
-        skipped["layer_budget"] = "every plan spends the same fraction in every layer"
-    return figures, skipped
-
-
-def write_outputs(results: dict, out: Path) -> None:
-    out = Path(out)
-    figures, skipped = write_figures(results, out)
-    results["figures"], results["figures_skipped"] = figures, skipped
-    _write_json(out / "results.json", results)
-    (out / "results.md").write_text(results_markdown(results))

@@ -1,4 +1,4 @@
-"""rana.evaluate on a tiny random Llama: perplexity protocol, local lm-eval tasks, latency."""
+"""rana.evaluation's measurements on a tiny random Llama: perplexity protocol, local lm-eval tasks, latency."""
 from __future__ import annotations
 
 import importlib.util
@@ -8,11 +8,11 @@ from pathlib import Path
 import pytest
 import torch
 import yaml
-from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
 from rana.data import DataError, load_texts, tokenize_stream
-from rana.evaluate import LOCAL_TASKS, decode_latency, latency_ratio, lm_eval_tasks, perplexity, write_local_tasks
+from rana.evaluation import LOCAL_TASKS, decode_latency, latency_ratio, lm_eval_tasks, write_local_tasks
+from rana.evaluation.perplexity import perplexity
 
 SHARED_DATA = Path(__file__).parents[1] / ".." / "shared" / "data"
 needs_shared = pytest.mark.skipif(not (SHARED_DATA / "eval").is_dir(), reason="shared/data not beside the repo")
@@ -144,12 +144,12 @@ def test_latency_ratio_reports_both_models(model):
 def test_compiled_latency_harness(model, monkeypatch):
     """mode="compiled": every generate gets its own fresh StaticCache and a fullgraph compile config, and
     transformers really compiles the decode step (here with the cheap eager backend)."""
-    import rana.evaluate as ev
+    import rana.evaluation.latency as latency
     from torch._dynamo.utils import counters
     from transformers import StaticCache
 
     configs, caches = [], []
-    make = ev._generation_config
+    make = latency.generation_config
 
     def eager_backend(*args):
         config = make(*args)
@@ -164,7 +164,7 @@ def test_compiled_latency_harness(model, monkeypatch):
         caches.append(kwargs.get("past_key_values"))
         return generate(ids, **kwargs)
 
-    monkeypatch.setattr(ev, "_generation_config", eager_backend)
+    monkeypatch.setattr(latency, "generation_config", eager_backend)
     monkeypatch.setattr(model, "generate", spy)
     torch._dynamo.reset()
     counters.clear()

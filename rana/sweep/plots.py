@@ -1,6 +1,6 @@
 """Sweep figures (matplotlib, Agg; no display needed), after the RaNA paper's Figs. 1–3.
 
-All functions take the plain dicts `rana.sweep` stores (`results.json` points) and write one PNG;
+All functions take the plain dicts a sweep stores (`results.json` points) and write one PNG;
 they use `matplotlib.figure.Figure` directly, so no pyplot state or GUI backend is involved.
 """
 from __future__ import annotations

@@ -1,5 +1,5 @@
 """rana.evaluation and `rana eval` on tiny random Llamas: measured FLOPs, baselines' budgets,
-per-block errors, rank-contribution histograms, the CLI's JSON."""
+per-block errors, rank-contribution histograms, the table of several models, the CLI's JSON."""
 from __future__ import annotations
 
 import copy
@@ -145,18 +145,19 @@ def eval_setup(tmp_path_factory):
 
 
 def test_eval_cli_writes_json_with_ppl_and_flops(eval_setup, tmp_path, monkeypatch):
-    import rana.evaluate
+    import rana.evaluation
+    import rana.evaluation.run
     from rana.cli.app import app
 
-    # lm-eval itself runs offline end to end in test_evaluate.py (local tasks); here only the plumbing
+    # lm-eval itself runs offline end to end in test_evaluation_measures.py (local tasks); here only the plumbing
     calls = []
 
     def fake_tasks(model, tokenizer, tasks, **kw):
         calls.append((list(tasks), kw))
         return {t: {"acc": 0.25, "acc_stderr": 0.1} for t in tasks}
 
-    monkeypatch.setattr(rana.evaluate, "lm_eval_tasks", fake_tasks)
-    monkeypatch.setattr(rana.evaluate, "check_tasks", lambda *a, **k: None)  # the task data is faked too
+    monkeypatch.setattr(rana.evaluation.run, "lm_eval_tasks", fake_tasks)
+    monkeypatch.setattr(rana.evaluation, "check_tasks", lambda *a, **k: None)  # the task data is faked too
     root = eval_setup
     out = tmp_path / "r.json"
     res = CliRunner().invoke(app, [
@@ -188,6 +189,30 @@ def test_eval_cli_writes_json_with_ppl_and_flops(eval_setup, tmp_path, monkeypat
     assert "eager harness, dense timed the same way" in res.output and "limit 1/F" in res.output
     assert calls[0][1]["data_dir"] == tmp_path and calls[0][1]["limit"] == 2
     assert "rana eval" in res.output
+
+
+def test_evaluate_models_gives_the_eval_table_from_python(eval_setup):
+    """The `rana eval` loop as a library call: one row per reference, the dense model loaded once for the
+    rana folder (a dense reference is its own), per-layer errors on the first text."""
+    from rana.evaluation import evaluate_models
+
+    root = eval_setup
+    logs, seen = [], []
+    results = evaluate_models([root / "teal", str(root / "tiny")], ppl_sources=[str(root / "held.txt")], seq_len=64,
+                              layer_errors=True, layer_error_tokens=256, log=logs.append,
+                              progress=lambda what, done, total: seen.append((what, done, total)))
+    teal, dense = results["models"]
+    assert (teal["kind"], dense["kind"]) == ("rana", "dense") and teal["reference"] == str(root / "teal")
+    assert teal["dense_reference"] == dense["dense_reference"] == str(root / "tiny")
+    assert logs == [f"loading dense model {root / 'tiny'}"]
+    assert teal["ppl"]["held"]["windows"] == 3000 // 64 and results["seq_len"] == 64 and results["eval_tokens"] is None
+    assert "non-overlapping 64-token windows" in results["protocol"]
+    assert len(teal["layer_errors"]) == 2 and all(e["mlp"] > 0 for e in teal["layer_errors"])
+    assert all(e["mlp"] == 0.0 and not e["mlp_adapted"] for e in dense["layer_errors"])
+    assert teal["layer_errors_on"] == f"first 256 tokens of {root / 'held.txt'}"
+    assert ("models", 2, 2) in seen and "latency" not in teal
+    with pytest.raises(ValueError, match="nothing to evaluate"):
+        evaluate_models([root / "tiny"])
 
 
 def test_eval_cli_user_errors(eval_setup):

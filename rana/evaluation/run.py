@@ -1,0 +1,237 @@
+"""`rana eval` as a library: measure models and return one JSON-ready row per model.
+
+`evaluate_model` measures one in-memory model: perplexity on several texts with the FLOPs its
+masks actually take on those tokens, lm-eval tasks, decode speed against the dense model.
+`evaluate_models` opens each reference (a rana folder or a dense model), loads the dense model
+it came from when latency or per-layer errors need it (one at a time), and returns the table
+`rana eval` prints and writes as JSON.
+"""
+from __future__ import annotations
+
+import gc
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn as nn
+
+from ..accounting import measured_macs, metering
+from ..data import DataError, eval_windows
+from . import diagnostics
+from .common import Progress
+from .harness import lm_eval_tasks
+from .latency import measure_latency
+from .loading import LoadedModel, load_dense, load_for_eval
+from .perplexity import combine_flops, eval_tokens, labelled_sources, perplexity, ppl_protocol, summarize_flops
+
+# --------------------------------------------------------------------------- perplexity with the meters on
+
+
+def metered_perplexity(model: nn.Module, tokens: torch.Tensor, *, seq_len: int = 512, batch_size: int = 4,
+                       progress: Progress | None = None, label: str = "perplexity") -> tuple[dict, dict]:
+    """Perplexity (standard protocol) with the adapters' meters on: (ppl result, FLOP block)."""
+    n_windows = len(eval_windows(tokens, seq_len))
+    done = [0]
+
+    def on_batch(ids):
+        done[0] += len(ids)
+        if progress:
+            progress(label, done[0], n_windows)
+
+    with metering(model):
+        result = perplexity(model, tokens, seq_len=seq_len, batch_size=batch_size, progress=False, on_batch=on_batch)
+        flops = summarize_flops(measured_macs(model, seq_len), result["windows"] * seq_len)
+    return result, flops
+
+
+# --------------------------------------------------------------------------- one model
+
+
+def evaluate_model(
+    model: nn.Module,
+    tokenizer,
+    *,
+    ppl_sources=None,
+    seq_len: int = 512,
+    batch_size: int = 4,
+    max_tokens: int | None = None,
+    text_column: str = "text",
+    tasks: Sequence[str] = (),
+    include_path: str | Path | None = None,
+    task_data: str | Path | None = None,
+    limit: int | float | None = None,
+    num_fewshot: int = 0,
+    latency: bool = False,
+    dense_model: nn.Module | None = None,
+    latency_new_tokens: int = 64,
+    latency_repeats: int = 5,
+    latency_warmup: int = 2,
+    latency_mode: str | None = None,
+    name: str | None = None,
+    plan: dict | None = None,
+    progress: Progress | None = None,
+) -> dict:
+    """Evaluate one in-memory model; returns a JSON-ready dict.
+
+    - `ppl_sources`: texts to measure perplexity on — paths / hub names (`name[:config[:split]]`)
+      or pre-tokenised 1-D streams, as a list or a {label: source} mapping. Each is truncated to
+      `max_tokens` tokens and scored with `perplexity.perplexity` (non-overlapping `seq_len`
+      windows, tail dropped, all tokens but the first of each window).
+    - FLOPs are *measured*: the meters of every adapter are on during those perplexity passes, so
+      `flops` is the average per-token cost of the masks actually taken on the evaluation tokens
+      (attention products counted at `seq_len` context, method.md §3), overall and per text.
+    - `tasks`: lm-eval task names; `include_path` adds task YAMLs, `task_data` renders the
+      bundled offline `*_local` tasks from that data folder.
+    - `latency`: batch-1 decode speed; with `dense_model`, timed interleaved with it under the same
+      harness (`latency_mode`: "compiled" = static cache + torch.compile, "eager"; default compiled on
+      CUDA, eager elsewhere) and reported as a ratio, next to the measured FLOP fraction F (when
+      perplexity was measured) and the memory-bound limit 1/F of the speed-up.
+    """
+    result: dict[str, Any] = {"name": name, "seq_len": seq_len, "max_tokens_per_text": max_tokens}
+    if plan:
+        result["method"] = plan.get("method")
+        result["target_flops"] = plan.get("target_flops")
+        result["plan_measured_flops"] = plan.get("measured_flops")
+        result["plan_measured_on"] = plan.get("measured_on")
+    result["params"] = sum(p.numel() for p in model.parameters())
+
+    sources = labelled_sources(ppl_sources)
+    ppl, flop_blocks, per_text = {}, [], {}
+    for label, source in sources:
+        tokens = source if isinstance(source, torch.Tensor) else eval_tokens(source, tokenizer, max_tokens=max_tokens,
+                                                                               text_column=text_column)
+        if isinstance(source, torch.Tensor) and max_tokens is not None:
+            tokens = tokens[:max_tokens]
+        if tokens.numel() < seq_len:
+            raise DataError(f"evaluation text '{label}' has {tokens.numel()} tokens, fewer than one window of "
+                            f"--seq-len {seq_len}; pass more text or a smaller --seq-len")
+        r, fl = metered_perplexity(model, tokens, seq_len=seq_len, batch_size=batch_size, progress=progress,
+                                   label=f"ppl {label}")
+        r["source"] = str(source) if not isinstance(source, torch.Tensor) else "token ids"
+        ppl[label] = r
+        flop_blocks.append(fl)
+        per_text[label] = fl["fraction"]
+    result["ppl"] = ppl
+    if sources:
+        result["protocol"] = ppl_protocol(seq_len, max_tokens)
+        flops = combine_flops(flop_blocks)
+        flops["per_text"] = per_text
+        flops["measured_on"] = f"{flops['tokens']} evaluation tokens ({', '.join(ppl)})"
+        result["flops"] = flops
+    else:
+        result["flops"] = None
+
+    if tasks:
+        local = [t for t in tasks if t.endswith("_local")]
+        if local and task_data is None and include_path is None:
+            raise DataError(f"task(s) {', '.join(local)} read local data: pass --task-data FOLDER (the folder holding "
+                            "eval/hellaswag_validation.jsonl etc., e.g. ../shared/data)")
+        if progress:
+            progress("lm-eval tasks", 0, 1)
+        result["tasks"] = lm_eval_tasks(model, tokenizer, list(tasks), include_path=include_path,
+                                        data_dir=task_data if local else None, limit=limit, num_fewshot=num_fewshot)
+        result["tasks_limit"] = limit
+        if progress:
+            progress("lm-eval tasks", 1, 1)
+    if latency:
+        result["latency"] = measure_latency(model, tokenizer, dense_model, new_tokens=latency_new_tokens,
+                                            repeats=latency_repeats, warmup=latency_warmup, mode=latency_mode)
+        fraction = (result.get("flops") or {}).get("fraction")
+        result["latency"]["flops_fraction"] = fraction
+        result["latency"]["speedup_limit"] = 1.0 / fraction if fraction else None
+    return result
+
+
+# --------------------------------------------------------------------------- several models (`rana eval`)
+
+
+def check_request(*, ppl_sources: Sequence = (), tasks: Sequence[str] = (), latency: bool = False,
+                  layer_errors: bool = False) -> None:
+    """Something to measure, and a text for the per-layer errors (checked before any model loads)."""
+    if not ppl_sources and not tasks and not latency:
+        raise ValueError("nothing to evaluate: pass --ppl-data FILE (perplexity + measured FLOPs), --tasks and/or --latency")
+    if layer_errors and not ppl_sources:
+        raise ValueError("--layer-errors runs on the first --ppl-data text: pass one")
+
+
+def evaluate_models(
+    refs: Sequence[str | Path],
+    *,
+    ppl_sources: Sequence[str | Path] = (),
+    seq_len: int = 512,
+    batch_size: int = 4,
+    max_tokens: int | None = None,
+    text_column: str = "text",
+    tasks: Sequence[str] = (),
+    include_path: str | Path | None = None,
+    task_data: str | Path | None = None,
+    limit: int | float | None = None,
+    num_fewshot: int = 0,
+    latency: bool = False,
+    latency_new_tokens: int = 64,
+    latency_repeats: int = 5,
+    latency_mode: str | None = None,
+    layer_errors: bool = False,
+    layer_error_tokens: int = 8192,
+    dense: str | None = None,
+    dtype: str = "float32",
+    device: str = "cpu",
+    progress: Progress | None = None,
+    log: Callable[[str], None] | None = None,
+) -> dict:
+    """Evaluate every model in `refs` (rana folders or dense references) the same way; returns
+    `{"models": [one evaluate_model row per ref], "seq_len", "eval_tokens", "protocol"}`, what
+    `rana eval` tabulates and writes with `--json`.
+
+    Each row also carries `reference`, `kind` ("rana" | "dense") and `dense_reference`. The dense
+    model (`dense`; default: the one each rana folder's plan names, a dense ref being its own) is
+    loaded only for `latency` (timed interleaved with it) and `layer_errors` (per-layer output
+    errors on the first `layer_error_tokens` tokens of the first perplexity text), and kept while
+    consecutive models share it. Models are loaded one at a time.
+    """
+    check_request(ppl_sources=ppl_sources, tasks=tasks, latency=latency, layer_errors=layer_errors)
+    refs = [str(r) for r in refs]
+    log = log or (lambda msg: None)
+    dense_cache: dict[str, nn.Module] = {}
+
+    def dense_for(loaded: LoadedModel) -> nn.Module:
+        ref = dense or loaded.dense_reference
+        if ref is None:
+            raise ValueError(f"no dense model known for '{loaded.reference}' (plan.json names none): pass --dense REF")
+        if loaded.kind == "dense" and dense is None:
+            return loaded.model
+        if ref not in dense_cache:
+            dense_cache.clear()
+            log(f"loading dense model {ref}")
+            dense_cache[ref] = load_dense(ref, dtype=dtype, device=device)
+        return dense_cache[ref]
+
+    rows = []
+    for i, ref in enumerate(refs):
+        loaded = load_for_eval(ref, dtype=dtype, device=device)  # before the first bar: load errors stay one line
+        if progress:
+            progress("models", i, len(refs))
+        if loaded.tokenizer is None:
+            raise ValueError(f"'{ref}' has no tokenizer and plan.json names no model to take it from")
+        dense_model = dense_for(loaded) if (latency or layer_errors) else None
+        row = evaluate_model(loaded.model, loaded.tokenizer, ppl_sources=list(ppl_sources), seq_len=seq_len,
+                             batch_size=batch_size, max_tokens=max_tokens, text_column=text_column,
+                             tasks=list(tasks), include_path=include_path, task_data=task_data, limit=limit,
+                             num_fewshot=num_fewshot, latency=latency, dense_model=dense_model,
+                             latency_new_tokens=latency_new_tokens, latency_repeats=latency_repeats,
+                             latency_mode=latency_mode, name=ref, plan=loaded.plan, progress=progress)
+        row["reference"], row["kind"] = ref, loaded.kind
+        row["dense_reference"] = dense or loaded.dense_reference
+        if layer_errors:
+            tokens = eval_tokens(ppl_sources[0], loaded.tokenizer, max_tokens=layer_error_tokens, text_column=text_column)
+            row["layer_errors"] = diagnostics.layer_errors(loaded.model, dense_model, tokens, seq_len=seq_len,
+                                                           batch_size=batch_size, max_tokens=layer_error_tokens)
+            row["layer_errors_on"] = f"first {layer_error_tokens} tokens of {ppl_sources[0]}"
+        rows.append(row)
+        del loaded
+        gc.collect()
+        if progress:
+            progress("models", i + 1, len(refs))
+    return {"models": rows, "seq_len": seq_len, "eval_tokens": max_tokens,
+            "protocol": ppl_protocol(seq_len, max_tokens) if ppl_sources else None}

@@ -1,0 +1,158 @@
+"""`rana export`: a rana folder → a folder that loads with plain transformers (remote code).
+
+    from transformers import AutoModelForCausalLM
+    model = AutoModelForCausalLM.from_pretrained(out, trust_remote_code=True)
+
+works without the `rana` package installed and gives the same logits as ``rana.io.load(src)``.
+
+The output folder holds
+
+* ``config.json``: the source model's config with ``model_type`` ``rana_<type>``, ``architectures``,
+  ``auto_map``, ``dtype`` and ``rana_adapters`` (every adapter's path, type, shapes, rank and
+  threshold, as in ``rana_config.json``) and ``rana_laurel`` (LAuReL settings or null);
+* the weights as safetensors, sharded past ``max_shard_size`` with ``model.safetensors.index.json``;
+* tokenizer files, ``generation_config.json`` and ``plan.json`` copied from the source folder;
+* the remote code: ``configuration_rana.py`` and ``modeling_rana.py`` (rendered from
+  ``rana/export/template/``) and *copies of the rana sources themselves* — the adapter modules
+  (``common.py``, ``rank_linear.py``, ``neuron_linear.py``, ``cats.py``), the masked-GEMV kernels
+  (``masked_gemv.py``, ``triton_gemv.py`` (triton imported lazily and optionally), ``ops.py`` (the
+  torch.library ops the modules decode through) and ``cpu_gemv.py`` with the native CPU kernel's C source), LAuReL (``laurel.py``) and the architecture spec (``archspec.py``: the
+  ``ArchSpec`` machinery of ``rana.archs.base`` plus this model's spec) — with their imports of one
+  another rewritten to flat relative imports (``from ..kernels.masked_gemv import`` → ``from
+  .masked_gemv import``, ``from rana.archs import`` → ``from .archspec import``), so the same code
+  ships. Every shipped file is checked at export time: it may import only the standard library,
+  torch, transformers and the other shipped files (anything else only inside ``try``, e.g. triton):
+  see `rana.export.render`.
+"""
+from __future__ import annotations
+
+import json
+import shutil
+from importlib.metadata import version
+from pathlib import Path
+
+from huggingface_hub import split_torch_state_dict_into_shards
+from safetensors.torch import save_file
+
+from .. import io as rana_io
+from ..card import write_export_card
+from ..paths import check_output
+from .render import CONFIG_FILE, MODELING_FILE, render_sources
+
+# rana-folder files that describe the rana format itself, not the exported model
+_NOT_COPIED = {"config.json", "rana_config.json", "model.safetensors", "model.safetensors.index.json"}
+
+
+# --------------------------------------------------------------------------------------------
+# weights
+# --------------------------------------------------------------------------------------------
+def _tied_keys(model) -> set[str]:
+    """State-dict keys that transformers ties to another one (the LM head of tied embeddings)."""
+    tied = getattr(model, "all_tied_weights_keys", None)  # transformers >= 5: {target: source}
+    if tied is None:
+        tied = getattr(model, "_tied_weights_keys", None) or ()  # transformers 4: [target, ...]
+    return set(tied)
+
+
+def export_state_dict(model) -> dict:
+    """The model's state dict as saved in the export, tied copies dropped.
+
+    Keys are exactly the module paths of the exported class (no checkpoint-format renames such as
+    GPT-NeoX's `lm_head` → `embed_out`: the exported class is custom code, which transformers
+    loads without the stock class's key conversions). Tensors are returned as they are (adapter
+    weights are column-major views); a tensor sharing storage with an earlier one is cloned, as
+    safetensors requires."""
+    tied, seen, storages, out = _tied_keys(model), set(), set(), {}
+    for key, tensor in model.state_dict().items():
+        tensor = tensor.detach()
+        if tensor.device.type == "meta":
+            raise ValueError(f"'{key}' has no data (meta tensor); load the model fully before exporting")
+        ident = (tensor.data_ptr(), tuple(tensor.shape), tuple(tensor.stride()), tensor.dtype)
+        if tensor.numel() and ident in seen and key in tied:
+            continue  # tied to an earlier key; transformers ties it again on load
+        seen.add(ident)
+        storage = tensor.untyped_storage().data_ptr()
+        out[key] = tensor.clone() if tensor.numel() and storage in storages else tensor
+        storages.add(storage)
+    return out
+
+
+def write_weights(state: dict, folder: Path, max_shard_size: int | str) -> list[str]:
+    """safetensors file(s) as transformers writes them: sharded past max_shard_size with an index.
+    Each shard's tensors are made contiguous (row-major, the standard layout) only while it is written."""
+    split = split_torch_state_dict_into_shards(state, filename_pattern="model{suffix}.safetensors",
+                                               max_shard_size=max_shard_size)
+    for filename, keys in split.filename_to_tensors.items():
+        save_file({k: state[k].contiguous() for k in keys}, str(folder / filename), metadata={"format": "pt"})
+    if split.is_sharded:
+        index = {"metadata": dict(split.metadata), "weight_map": dict(sorted(split.tensor_to_filename.items()))}
+        (folder / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
+    return sorted(split.filename_to_tensors)
+
+
+# --------------------------------------------------------------------------------------------
+# export
+# --------------------------------------------------------------------------------------------
+def _check_out_name(out: Path) -> None:
+    if "." in out.name:
+        raise ValueError(f"export folder name '{out.name}' contains a '.', which breaks transformers' remote-code "
+                         "module path (the folder name becomes a Python module name); choose a name without dots, "
+                         f"e.g. '{out.name.replace('.', '_')}'")
+
+
+def exported_config(meta: dict, config, model_cls: type) -> dict:
+    """config.json of the export: the stock config with the rana model type, classes and adapters."""
+    config_name, model_name = f"Rana{type(config).__name__}", f"Rana{model_cls.__name__}"
+    out = json.loads(config.to_json_string(use_diff=True))  # what save_pretrained would write
+    out.update({
+        "model_type": f"rana_{config.model_type}",
+        "architectures": [model_name],
+        "auto_map": {"AutoConfig": f"{CONFIG_FILE[:-3]}.{config_name}",
+                     "AutoModelForCausalLM": f"{MODELING_FILE[:-3]}.{model_name}"},
+        "dtype": meta.get("dtype", "float32"),
+        "torch_dtype": meta.get("dtype", "float32"),  # what transformers < 5 reads
+        "rana_version": _rana_version(),
+        "rana_format_version": meta.get("format_version"),
+        "rana_adapters": meta["adapters"],
+        "rana_laurel": meta.get("laurel") or None,
+    })
+    return dict(sorted(out.items()))
+
+
+def _rana_version() -> str | None:
+    try:
+        return version("rana")
+    except Exception:  # not installed as a distribution
+        return None
+
+
+def export(src_dir: str | Path, out_dir: str | Path, *, overwrite: bool = False,
+           max_shard_size: int | str = "2GB") -> Path:
+    """Write the rana folder `src_dir` as a plain-transformers remote-code folder `out_dir`.
+
+    Atomic: `out_dir` appears complete or not at all. Raises ValueError for a source that is not
+    a rana folder, an output name with a '.', or out == src; OutputExistsError (a ValueError)
+    when `out_dir` exists and `overwrite` is False.
+    """
+    src, out = Path(src_dir), Path(out_dir)
+    _check_out_name(out)
+    if not rana_io.is_rana_dir(src):
+        raise ValueError(f"'{src}' is not a rana folder (no {rana_io.RANA_CONFIG}); produce one with `rana compress`")
+    if out.exists() and not overwrite:
+        raise rana_io.OutputExistsError(f"output folder '{out}' already exists; choose another --out or pass --overwrite")
+    check_output(out, [src], overwrite=overwrite)  # never the source, a folder holding it, or someone else's folder
+    rana_io.check_folder(src)  # rana_config.json, plan.json, config.json, weight headers: one line each
+    meta = rana_io.read_meta(src)
+    model, _tokenizer = rana_io.load(src)
+    sources = render_sources(model.config, type(model))  # fails before anything is written
+    with rana_io.atomic_dir(out, overwrite=overwrite) as tmp:
+        write_weights(export_state_dict(model), tmp, max_shard_size)
+        for f in sorted(src.iterdir()):  # tokenizer, generation config, plan.json, README, ...
+            if f.is_file() and f.name not in _NOT_COPIED and f.suffix != ".safetensors" and f.name not in sources:
+                shutil.copy2(f, tmp / f.name)
+        for name, text in sources.items():
+            (tmp / name).write_text(text, encoding="utf-8")
+        config = exported_config(meta, model.config, type(model))
+        (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+        write_export_card(tmp, src, out.name)  # README.md (model card, library transformers) + recipe.json
+    return out
