@@ -7,6 +7,8 @@ from .base import (
     MemoryNeed,
     Method,
     Step,
+    adapter_entry,
+    dense_entry,
     get_method,
     install_choice,
     install_rank_qkv,
@@ -15,6 +17,9 @@ from .base import (
     qkv_modules,
     register,
     relative_error,
+    sparse_choice,
+    summary,
+    unregister,
     unsupported_reason,
 )
 from .rana import Candidates, fused_gate_up_act, rana_method
@@ -29,6 +34,8 @@ __all__ = [
     "MemoryNeed",
     "Method",
     "Step",
+    "adapter_entry",
+    "dense_entry",
     "fused_gate_up_act",
     "get_method",
     "install_choice",
@@ -39,5 +46,8 @@ __all__ = [
     "rana_method",
     "register",
     "relative_error",
+    "sparse_choice",
+    "summary",
+    "unregister",
     "unsupported_reason",
 ]

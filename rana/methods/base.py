@@ -126,6 +126,11 @@ def register(method: Method) -> Method:
     return method
 
 
+def unregister(name: str) -> Method:
+    """Remove a method (e.g. one a test or a notebook registered); returns it."""
+    return _REGISTRY.pop(name)
+
+
 def get_method(name: str) -> Method:
     try:
         return _REGISTRY[name]
