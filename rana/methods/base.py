@@ -5,7 +5,7 @@ MLP is calibrated on the output of the already-compressed attention). A step nam
 whose inputs it needs (`targets`, see `rana.archs`), where the layer's forward can stop once
 they are recorded, which need second moments, and an `apply` that swaps modules in place
 (through `install_choice` / `install_stacked_qkv`) and returns plan entries. All budgets are
-MACs per token (docs: FLOP accounting).
+MACs per token (README "What `--flops F` means").
 
 Adding a method is one file in this package that ends with `register(Method(...))`, imported
 in `rana/methods/__init__.py` (as adding an architecture is in `rana/archs/`).
@@ -102,6 +102,9 @@ class MemoryNeed:
 
 @dataclass(frozen=True)
 class Method:
+    """A compression method: its steps in each decoder layer and what it declares about itself
+    (read by compress, the memory estimate, the CLI help and the sweep figures)."""
+
     name: str
     adapted_parts: tuple[str, ...]  # keys of math.flops.dense_layer_macs this method may shrink
     steps: tuple[Step, ...] = ()
