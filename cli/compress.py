@@ -7,6 +7,8 @@ from typing import Optional
 import typer
 from rich.table import Table
 
+from rana.methods import names
+
 from .common import LazyProgress, check_inputs, console, friendly
 from .common import out as stdout
 
@@ -68,7 +70,7 @@ def register(app: typer.Typer) -> None:
                                               "(may be omitted with --recipe)"),
         flops: float = typer.Option(0.58, "--flops", help="fraction of the dense model's per-token FLOPs to keep, in (0, 1]"),
         out: Path = typer.Option(..., "--out", "-o", help="output folder (must not exist unless --overwrite)"),
-        method: str = typer.Option("rana", help="rana | rana-paper | cats | svd | teal (ablations: rana-contrib, rana-mixed, rana-wina)"),
+        method: str = typer.Option("rana", help=f"{' | '.join(names(ablations=False))} (ablations: {', '.join(names(ablations=True))})"),
         allocation: str = typer.Option("uniform", help="FLOP allocation across layers: uniform (paper) | global (by measured sensitivity)"),
         recipe: Optional[Path] = typer.Option(None, "--recipe", help="re-run a recipe.json (or the folder holding one) written with "
                                               "every compressed model; options given here override its values"),

@@ -7,6 +7,8 @@ from typing import List, Optional
 import typer
 from rich.table import Table
 
+from rana.methods import names
+
 from .common import LazyProgress, check_inputs, console, fail, friendly, print_wide
 from .common import out as stdout
 
@@ -47,7 +49,7 @@ def register(app: typer.Typer) -> None:
         model: str = typer.Argument(..., help="dense model: alias (smollm2-135m, …), hub id, local folder or .gguf file"),
         out: Path = typer.Option(..., "--out", "-o", help="output folder (re-running with it resumes: finished points are skipped)"),
         ppl_data: List[str] = typer.Option(..., "--ppl-data", help="evaluation text (repeatable): local .txt/.raw/.jsonl/.parquet or hub name[:config[:split]]"),
-        methods: str = typer.Option("rana,cats,svd,teal", help="comma list of: dense, rana, rana-paper, cats, svd, teal, rana-contrib, rana-mixed, rana-wina"),
+        methods: str = typer.Option("rana,cats,svd,teal", help=f"comma list of: dense, {', '.join(names())}"),
         flops: str = typer.Option("0.85,0.7,0.58", help="comma list of FLOP budgets (fractions of dense)"),
         dense: bool = typer.Option(True, "--dense/--no-dense", help="also evaluate the dense model (the baseline row)"),
         dataset: Optional[str] = typer.Option(None, help="calibration text: hub dataset or local file/folder (default: bundled corpus)"),

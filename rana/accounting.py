@@ -64,10 +64,6 @@ def metering(model: nn.Module) -> Iterator[dict[str, MacMeter]]:
             m.meter_on = False
 
 
-def _part_of(name: str, spec: ArchSpec) -> str:
-    return "attention" if f".{spec.attn}." in f".{name}." else ("mlp" if f".{spec.mlp}." in f".{name}." else "other")
-
-
 def measured_macs(model: nn.Module, seq_len: int = 512) -> dict:
     """Per-token MACs the model spent on the tokens seen while metering, vs dense.
 
@@ -88,7 +84,7 @@ def measured_macs(model: nn.Module, seq_len: int = 512) -> dict:
         if not m._tokens:
             continue
         saved = m.macs_dense - m.measured_macs()
-        measured[_part_of(name, spec)] -= saved
+        measured[spec.block_of(name) or "other"] -= saved
         modules[name] = {"dense_macs": m.macs_dense, "measured_macs": m.measured_macs(), "mean_active": m.mean_active()}
     total = sum(measured.values())
     return {

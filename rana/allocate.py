@@ -20,7 +20,7 @@ import torch.nn as nn
 from .archs import ArchSpec, decoder_layers
 from .calibrate import LayerInputs, call_layer, collect_inputs, run_layer
 from .math.allocate import ErrorCurve, allocate
-from .methods import LayerContext, Method, role_path
+from .methods import LayerContext, Method
 
 PROFILE_MULTIPLIERS = (0.5, 0.75, 1.0, 1.35)
 
@@ -77,7 +77,7 @@ def profile_and_allocate(model: nn.Module, spec: ArchSpec, method: Method, fit: 
     curves, blocks, per_layer_curves = [], [], []
     for idx, layer in enumerate(layers):
         residency.bring(idx, layer)
-        targets = {r: layer.get_submodule(role_path(spec, r)) for r in roles}
+        targets = {r: layer.get_submodule(spec.role_path(r)) for r in roles}
         stats = collect_inputs(layer, fit, held, targets, device=device, stop_at=None, second_moment=moments,
                                fit_sample_tokens=fit_sample_tokens, layer_index=idx)
         reference = _layer_outputs(layer, held, device)

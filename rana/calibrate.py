@@ -7,7 +7,7 @@ capture the first layer's inputs, then each layer is called directly.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Callable
 
 import torch
@@ -15,6 +15,7 @@ import torch.nn as nn
 
 from . import distributed, placement
 from .archs import ArchSpec, decoder_layers
+from .methods.base import InputStats
 
 
 class CalibrationError(ValueError):
@@ -149,34 +150,6 @@ def run_layer(layer: nn.Module, inputs: LayerInputs, *, device: torch.device, of
         out.append(inputs.spill(y) if inputs.spill is not None else y)
     nxt = [kw.advance() if isinstance(kw, LayerKwargs) else kw for kw in inputs.kwargs]
     return LayerInputs(hidden=out, kwargs=nxt, spill=inputs.spill)
-
-
-@dataclass
-class InputStats:
-    """What the searches need of one projection's inputs: C = Σ x xᵀ (float64) over the fit
-    tokens, a sample of *other* fit tokens for thresholds (tokens the decomposition never saw,
-    so mask rates are not biased by its fit to C), and the held-aside inputs (for errors)."""
-
-    moment: torch.Tensor | None = None
-    count: int = 0
-    fit_rows: list[torch.Tensor] = field(default_factory=list)
-    eval_rows: list[torch.Tensor] = field(default_factory=list)
-    cache: dict = field(default_factory=dict, repr=False)  # derived results reused across searches
-
-    def cached(self, key, compute):
-        """Memoise work derived from these statistics (decompositions, codes), e.g. when the
-        budget allocator searches the same block at several budgets."""
-        if key not in self.cache:
-            self.cache[key] = compute()
-        return self.cache[key]
-
-    @property
-    def fit(self) -> torch.Tensor:
-        return torch.cat(self.fit_rows)
-
-    @property
-    def eval(self) -> torch.Tensor:
-        return torch.cat(self.eval_rows)
 
 
 @torch.no_grad()

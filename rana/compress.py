@@ -17,7 +17,7 @@ from .config import CompressConfig
 from .units import DTYPES
 from .math.flops import adapted_fraction
 from .allocate import profile_and_allocate
-from .methods import LayerContext, Method, _qkv_modules, _relative_error, get_method, role_path, unsupported_reason
+from .methods import LayerContext, Method, get_method, qkv_modules, relative_error, unsupported_reason
 from .offload import Residency, load_for_compression
 from .placement import as_module_input
 
@@ -58,14 +58,14 @@ def _step_error(ctx: LayerContext, step_name: str, stats) -> Callable[[], float]
     """Snapshot the dense outputs of the step's block on held-aside inputs; return a function
     that measures the compressed block's relative output error on the same inputs."""
     if step_name == "attention":
-        mods = [m for _, m in _qkv_modules(ctx)]
+        mods = [m for _, m in qkv_modules(ctx)]
         x = as_module_input(stats["qkv_in"].eval[: ctx.search_tokens * 2], mods[0])
         ref = _module_outputs(mods, x)
-        return lambda: _relative_error(ref, _module_outputs([m for _, m in _qkv_modules(ctx)], x))
+        return lambda: relative_error(ref, _module_outputs([m for _, m in qkv_modules(ctx)], x))
     mlp = ctx.module(ctx.spec.mlp)
     x = as_module_input(stats["mlp_in"].eval[: ctx.search_tokens * 2], mlp)
     ref = mlp(x)
-    return lambda: _relative_error(ref, mlp(x))
+    return lambda: relative_error(ref, mlp(x))
 
 
 @torch.no_grad()
@@ -103,7 +103,7 @@ def compress_model(model: nn.Module, tokenizer, config: CompressConfig, calibrat
             ctx.fraction = allocation.fractions[idx][step.block] if allocation else fraction
             if ctx.fraction >= 1.0:
                 continue
-            targets = {role: layer.get_submodule(role_path(spec, role)) for role in step.targets}
+            targets = {role: layer.get_submodule(spec.role_path(role)) for role in step.targets}
             stats = collect_inputs(layer, fit, held, targets, device=device, stop_at=targets[step.stop],
                                    second_moment=step.moments, fit_sample_tokens=config.fit_sample_tokens, layer_index=idx)
             if step.block not in measures:  # snapshot the dense block before its first step

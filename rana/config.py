@@ -5,8 +5,9 @@ import json
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 
+from .methods import METHODS  # the registry's names, current when read
+
 FORMAT_VERSION = 1
-METHODS = ("rana", "rana-paper", "cats", "svd", "teal", "rana-contrib", "rana-mixed", "rana-wina")
 
 
 # Thresholds are quantiles of activation statistics: fewer fitting tokens than this give noisy,

@@ -39,6 +39,7 @@ import torch.nn as nn
 
 from . import distributed
 from .archs import ArchSpec, decoder_layers, get_arch
+from .methods import get_method
 from .units import DTYPES, dtype_bytes, fmt_bytes, parse_memory
 
 INDEX = "model.safetensors.index.json"
@@ -98,7 +99,7 @@ def estimate_memory(model_config, config, *, method: str | None = None, device: 
     calibration hidden states of all tokens (unless spilled to disk) are in the same memory too."""
     from .accounting import layer_dims
 
-    method = method or config.method
+    need = get_method(method or config.method).memory
     device = device or config.device
     text = model_config.get_text_config() if hasattr(model_config, "get_text_config") else model_config
     d = max(layer_dims(model_config), key=lambda d: d.intermediate * d.hidden + d.q_out * d.hidden)
@@ -108,19 +109,19 @@ def estimate_memory(model_config, config, *, method: str | None = None, device: 
     b, s = config.batch_size, config.seq_len
     # the largest matrix decomposed in float64 (W, U, B_full) and its input's moment (+ eigh workspace)
     up_rows = 2 * inter if get_arch(model_config).gate_up_fused else inter  # fused gate_up: one stacked matrix
-    mats = [(qkv, h), (up_rows if method != "svd" else inter, h)]
-    if method == "svd":
+    mats = [(qkv, h), (up_rows if need.stacked_gate_up else inter, h)]
+    if need.decomposes_down:
         mats.append((h, inter))
     workspace = max(8 * (3 * o * i + 3 * i * i) for o, i in mats)
-    moments = 8 * h * h * 2 if method != "svd" else 8 * (2 * h * h + inter * inter)
-    if method in ("teal", "cats"):
+    moments = 8 * h * h * 2 if not need.decomposes_down else 8 * (2 * h * h + inter * inter)
+    if not need.decomposes:
         workspace, moments = 4 * max(o * i for o, i in mats), 0.0
     acts = 4 * b * s * (4 * h + qkv + 3 * inter) + 4 * b * d.n_heads * s * s
     resident = text.vocab_size * h * e * (1 if getattr(text, "tie_word_embeddings", False) else 2)
-    # grid search (rana and its ablations, rana-paper): each projection's adapted outputs on the fit
-    # sample and the search tokens, cached per budget share tried, plus h and its masks for down
+    # grid search (the rana family): each projection's adapted outputs on the fit sample and the
+    # search tokens, cached per budget share tried, plus h and its masks for down
     search = 0.0
-    if method.startswith("rana"):
+    if need.grid_search:
         n_tok = config.fit_sample_tokens + config.search_tokens
         n_budgets = round(1 / config.grid_step) + 4
         search = 4 * n_tok * inter * ((2 if d.gated else 1) * n_budgets + 6) + 8 * n_tok * h
@@ -131,7 +132,7 @@ def estimate_memory(model_config, config, *, method: str | None = None, device: 
     tokens = config.calib_tokens
     held = tokens * config.heldout_fraction
     fit_sample = tokens * (1 - config.heldout_fraction) * distributed.THRESHOLD_FRACTION
-    widest_in = inter if method in ("svd", "teal") else h
+    widest_in = inter if need.wide_sample_rows else h
     parts["sample rows"] = 4 * (held + fit_sample) * (h + widest_in)
     if torch.device(device).type == "cpu":
         if streamed:  # the shard's pages, mapped while the layer is read

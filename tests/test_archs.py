@@ -11,7 +11,7 @@ from rana.archs import UnsupportedArchitectureError, decoder_layers, get_arch, s
 from rana.calibrate import LayerInputs, capture_first_layer_inputs, run_layer
 from rana.compress import compress_model
 from rana.io import load, save
-from rana.methods import _fused_gate_up_act, role_path
+from rana.methods import fused_gate_up_act
 from rana.modules import NeuronThresholdLinear, RankAdapterLinear
 from rana.modules.laurel import LaurelConfig, apply_laurel
 from helpers import tiny_calibration, tiny_compress_config, tiny_model
@@ -58,12 +58,50 @@ def test_spec_paths_resolve_in_the_installed_transformers(arch):
         if norm:
             layer.get_submodule(norm)
     for role in ("qkv_in", "o", "mlp_in", "down"):
-        layer.get_submodule(role_path(spec, role))
+        layer.get_submodule(spec.role_path(role))
     # the analytic dense cost counts exactly the decoder layers' projection weights
     dims = layer_dims(model.config)
     n_linear = sum(p.numel() for n, p in layer.named_parameters() if p.dim() == 2)
     d = dims[0]
     assert d.q_out * d.hidden * 2 + 2 * d.kv_out * d.hidden + (3 if d.gated else 2) * d.intermediate * d.hidden == n_linear
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_spec_answers_the_path_questions(arch):
+    """qkv / o / MLP paths name every linear of a layer once; each role's path is a projection
+    reading that role's input (checked on a real forward); block_of places model-level names."""
+    model = tiny_model(arch)
+    spec = get_arch(model.config)
+    layer = decoder_layers(model, spec)[0]
+    qkv, mlp = spec.qkv_paths(), spec.mlp_paths()
+    assert list(qkv) == (["qkv"] if spec.qkv_fused else ["q", "k", "v"])
+    assert list(mlp) == (["gate_up", "down"] if spec.gate_up_fused else ["up", "gate", "down"] if spec.gate
+                         else ["up", "down"])
+    projections = [*qkv.values(), spec.o_path(), *mlp.values()]
+    linears = {name for name, m in layer.named_modules() if isinstance(m, torch.nn.Linear)}
+    assert sorted(projections) == sorted(linears)  # every linear of the layer, each once
+    assert callable(layer.get_submodule(spec.act_path()))
+    seen = {}
+    hooks = [layer.get_submodule(p).register_forward_pre_hook(lambda m, a, p=p: seen.setdefault(p, a[0]))
+             for p in projections]
+    with torch.no_grad():
+        model(_ids())
+    for h in hooks:
+        h.remove()
+    readers = {"qkv_in": list(qkv.values()), "o": [spec.o_path()], "down": [mlp["down"]],
+               "mlp_in": [p for n, p in mlp.items() if n != "down"]}
+    for role, paths in readers.items():
+        assert spec.role_path(role) in paths
+        for p in paths:  # every projection of a role reads the same input
+            assert torch.equal(seen[p], seen[spec.role_path(role)])
+    with pytest.raises(KeyError, match="unknown role"):
+        spec.role_path("lm_head")
+    for p in [*qkv.values(), spec.o_path()]:
+        assert spec.block_of(p) == "attention" and spec.block_of(f"{spec.layers}.1.{p}") == "attention"
+    for p in [*mlp.values(), spec.act_path()]:
+        assert spec.block_of(p) == "mlp" and spec.block_of(f"{spec.layers}.1.{p}") == "mlp"
+    for p in (spec.embed, spec.lm_head, spec.final_norm, f"{spec.layers}.0.{spec.attn_norm}", f"{spec.layers}.0"):
+        assert spec.block_of(p) is None
 
 
 def test_arch_specifics():
@@ -169,7 +207,7 @@ def test_fused_gate_up_is_one_stacked_adapter():
         hook = mlp.down_proj.register_forward_pre_hook(lambda m, a: seen.setdefault("h", a[0]))
         mlp(x)
         hook.remove()
-        assert torch.allclose(_fused_gate_up_act(mlp.activation_fn, 160)(mlp.gate_up_proj(x)), seen["h"])
+        assert torch.allclose(fused_gate_up_act(mlp.activation_fn, 160)(mlp.gate_up_proj(x)), seen["h"])
     result = compress_model(model, None, tiny_compress_config(method="rana-paper", flops=0.7), tiny_calibration())
     for entry in result.plan["layers"]:
         comps = entry["mlp"]["components"]

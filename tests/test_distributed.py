@@ -19,7 +19,6 @@ def _run(out_path):
     from rana.archs import decoder_layers, get_arch
     from rana.calibrate import capture_first_layer_inputs, collect_inputs
     from rana.compress import compress_model
-    from rana.methods import role_path
 
     torch.set_num_threads(1)
     cpu = torch.device("cpu")
@@ -29,7 +28,7 @@ def _run(out_path):
     fit = capture_first_layer_inputs(model, spec, calib.fit, batch_size=4, device=cpu, offload=cpu)
     held = capture_first_layer_inputs(model, spec, calib.heldout, batch_size=4, device=cpu, offload=cpu)
     layer = decoder_layers(model, spec)[0]
-    targets = {r: layer.get_submodule(role_path(spec, r)) for r in ("qkv_in", "mlp_in")}
+    targets = {r: layer.get_submodule(spec.role_path(r)) for r in ("qkv_in", "mlp_in")}
     stats = collect_inputs(layer, fit, held, targets, device=cpu, second_moment=("qkv_in", "mlp_in"))
     out = {"local_fit_batches": len(fit.hidden),
            "stats": {n: {"moment": s.moment, "count": s.count, "fit": s.fit, "eval": s.eval} for n, s in stats.items()}}

@@ -1,5 +1,7 @@
 """Architecture registry: one small file per architecture."""
 from .base import (
+    BLOCKS,
+    ROLES,
     ArchSpec,
     UnsupportedArchitectureError,
     decoder_layers,
@@ -12,6 +14,8 @@ from .base import (
 from . import gemma, gemma2, gemma3_text, gpt_neox, llama, mistral, phi3, qwen2  # noqa: F401  (registration side effects)
 
 __all__ = [
+    "BLOCKS",
+    "ROLES",
     "ArchSpec",
     "UnsupportedArchitectureError",
     "decoder_layers",

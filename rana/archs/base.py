@@ -3,12 +3,19 @@
 The compression, LAuReL and export code never hard-codes attribute names: they ask the
 `ArchSpec` of the model's `config.model_type`. Adding an architecture is one small file
 that builds an `ArchSpec` and calls `register`.
+
+One vocabulary throughout: a decoder layer has two **blocks** (attention, mlp) made of
+**projections** (q, k, v, o; up, gate, down — or the fused qkv, gate_up); a **role** names the
+input a group of projections reads: qkv_in (q, k, v), o, mlp_in (up, gate) and down.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
 
 import torch.nn as nn
+
+BLOCKS = ("attention", "mlp")
+ROLES = ("qkv_in", "o", "mlp_in", "down")
 
 
 @dataclass(frozen=True)
@@ -52,6 +59,48 @@ class ArchSpec:
     @property
     def gated(self) -> bool:
         return self.gate is not None or self.gate_up_fused is not None
+
+    # Layer-relative paths, derived here once so no other module re-derives them.
+
+    def qkv_paths(self) -> dict[str, str]:
+        """The projections reading the attention input, by name: q, k, v — or qkv when fused."""
+        if self.qkv_fused:
+            return {"qkv": f"{self.attn}.{self.qkv_fused}"}
+        return {"q": f"{self.attn}.{self.q}", "k": f"{self.attn}.{self.k}", "v": f"{self.attn}.{self.v}"}
+
+    def o_path(self) -> str:
+        return f"{self.attn}.{self.o}"
+
+    def mlp_paths(self) -> dict[str, str]:
+        """The MLP's projections by name, in the order up, gate (or the fused gate_up), down."""
+        names = {"up": self.up, "gate": self.gate, "gate_up": self.gate_up_fused, "down": self.down}
+        return {name: f"{self.mlp}.{attr}" for name, attr in names.items() if attr}
+
+    def act_path(self) -> str:
+        """The MLP's activation (applied to gate, or to up in a non-gated MLP)."""
+        return f"{self.mlp}.{self.act}"
+
+    def role_path(self, role: str) -> str:
+        """Path of the (first) projection whose *input* a role denotes."""
+        if role == "qkv_in":
+            return next(iter(self.qkv_paths().values()))
+        if role == "o":
+            return self.o_path()
+        if role == "mlp_in":
+            return f"{self.mlp}.{self.gate_up_fused or self.gate or self.up}"
+        if role == "down":
+            return f"{self.mlp}.{self.down}"
+        raise KeyError(f"unknown role '{role}' (roles: {', '.join(ROLES)})")
+
+    def block_of(self, module_name: str) -> str | None:
+        """"attention" or "mlp" for a module inside that block (a model- or layer-relative
+        dotted name), None for anything else (embeddings, norms, the LM head)."""
+        dotted = f".{module_name}."
+        if f".{self.attn}." in dotted:
+            return "attention"
+        if f".{self.mlp}." in dotted:
+            return "mlp"
+        return None
 
 
 _REGISTRY: dict[str, ArchSpec] = {}

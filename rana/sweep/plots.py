@@ -9,21 +9,14 @@ import math
 from pathlib import Path
 from typing import Sequence
 
-METHOD_STYLE = {
-    "dense": dict(color="black", marker="*"),
-    "rana": dict(color="tab:red", marker="o"),
-    "rana-paper": dict(color="tab:orange", marker="s"),
-    "cats": dict(color="tab:blue", marker="^"),
-    "svd": dict(color="tab:green", marker="v"),
-    "teal": dict(color="tab:purple", marker="D"),
-    "rana-mixed": dict(color="tab:pink", marker="o", ls="--"),
-    "rana-wina": dict(color="tab:olive", marker="X", ls="--"),
-    "rana-contrib": dict(color="tab:cyan", marker="P", ls="--"),
-}
+from ..methods import METHODS, get_method
+
+DENSE_STYLE = dict(color="black", marker="*")
 
 
 def _style(method: str) -> dict:
-    return METHOD_STYLE.get(method, dict(marker="x"))
+    """The dense baseline's style, or the one the method declares (`Method.style`)."""
+    return DENSE_STYLE if method == "dense" else dict(get_method(method).style) if method in METHODS else dict(marker="x")
 
 
 def _figure(nrows: int, ncols: int, *, width: float = 4.6, height: float = 3.6):

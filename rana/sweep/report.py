@@ -8,6 +8,7 @@ import os
 from pathlib import Path
 from typing import Any
 
+from ..methods import METHODS
 from . import plots
 
 DENSE = "dense"
@@ -128,7 +129,7 @@ def write_figures(results: dict, out: Path) -> tuple[dict, dict]:
         figures["layer_errors"] = FIGURE_FILES["layer_errors"]
     else:
         skipped["layer_errors"] = "no compressed point at the figure budget"
-    hist_point = next((p for m in ("rana-paper", "rana", "svd") for p in at_budget
+    hist_point = next((p for m in METHODS for p in at_budget
                        if p["method"] == m and p.get("rank_contributions")), None)
     if hist_point is not None:
         plots.plot_rank_contributions(hist_point["rank_contributions"], out / FIGURE_FILES["rank_contributions"],
