@@ -73,12 +73,12 @@ def cfg(work, **kw) -> FinetuneConfig:
     return FinetuneConfig(**{**base, **kw})
 
 
-def trainer(config: FinetuneConfig) -> Trainer:
+def trainer(config: FinetuneConfig, **kw) -> Trainer:
     """A Trainer built from public parts the way finetune() builds one (no folder is created)."""
     source = inspect_source(config)
     accelerator = make_accelerator(config)
     train_blocks, heldout_blocks = prepare_blocks(config, *probe_tokenizer(source, config))
-    return Trainer(config, source, train_blocks, heldout_blocks, accelerator, CheckpointFolder(config, accelerator))
+    return Trainer(config, source, train_blocks, heldout_blocks, accelerator, CheckpointFolder(config, accelerator), **kw)
 
 
 def _batch(seed=3):
@@ -161,6 +161,23 @@ def test_lora_target_choices(work):
     assert resolve_lora_targets(model, "none") == []
     with pytest.raises(FinetuneError, match="no linear or adapter module named 'nope'"):
         resolve_lora_targets(model, "nope")
+
+
+def test_trainer_trains_with_the_loss_it_is_given(work):
+    seen = []
+
+    def counting(model, batch):
+        seen.append(tuple(batch.shape))
+        return next_token_loss(model, batch)
+
+    tr = trainer(cfg(work, laurel="none", grad_accum=2), loss=counting)
+    result = tr.run(1e-3, 3)
+    assert result.status == "completed" and result.step == 3 and result.checkpoint is None
+    assert seen == [(4, 32)] * 6  # 3 optimizer steps × 2 micro-batches, all through the given loss
+    assert [r["step"] for r in tr.records] == [0, 1, 2, 3]  # the held-out score before step 1, then every step
+    assert result.final_eval["tokens"] == len(tr.heldout_blocks) * 31
+    assert result.final_eval["loss"] == pytest.approx(tr.records[-1]["heldout_loss"])
+    assert result.trainables.peft and result.trainables.laurel is None
 
 
 # ------------------------------------------------------------------------------------------ merge / save
