@@ -281,6 +281,31 @@ def tokenize_stream(texts: Iterable[str], tokenizer, *, add_eos: bool = True) ->
     return torch.cat(pieces)
 
 
+def load_token_ids(path: Path, vocab_size: int | None) -> torch.Tensor:
+    """Pre-tokenised data: a 1-D int64 stream from a `.npy` array or a tensor saved with `torch.save`,
+    checked against the model's vocabulary."""
+    try:
+        if path.suffix == ".npy":
+            import numpy as np  # not a declared dependency: only .npy token files need it
+
+            ids = torch.from_numpy(np.load(path)).long()
+        else:
+            obj = torch.load(path, map_location="cpu", weights_only=True)
+            ids = torch.as_tensor(obj).long()
+    except Exception as e:  # noqa: BLE001 - numpy/torch/pickle raise many types for a damaged file
+        kind = "a NumPy array" if path.suffix == ".npy" else "a tensor saved with torch.save"
+        raise DataError(f"could not read token ids from '{path}' ({root_cause(e)}): it must hold {kind} of "
+                        "integer token ids") from None
+    if ids.dim() != 1:
+        ids = ids.reshape(-1)
+    if ids.numel() == 0:
+        raise DataError(f"{path} holds no token ids")
+    if ids.min() < 0 or (vocab_size is not None and ids.max() >= vocab_size):
+        raise DataError(f"token ids in {path} must lie in [0, {vocab_size}) for this model's vocabulary, "
+                        f"found [{int(ids.min())}, {int(ids.max())}]")
+    return ids
+
+
 # --------------------------------------------------------------------------- windows
 
 

@@ -2,6 +2,7 @@
 self-guided start, lr sweep, and a 2-process `accelerate launch` run of the CLI."""
 from __future__ import annotations
 
+import functools
 import json
 import os
 import socket
@@ -17,9 +18,12 @@ from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCau
 from rana.compress import compress_model
 from rana.config import CompressConfig
 from rana.data import DataError
-from rana.finetune import (CHECKPOINTS, FinetuneConfig, FinetuneError, NonFiniteLossError, _merge, _prepare_blocks,
-                           _Trainer, adapter_linear_names, finetune, resolve_lora_targets,
-                           sync_neuron_norms)
+from rana.finetune import (CHECKPOINTS, FinetuneConfig, FinetuneError, NonFiniteLossError, Trainer,
+                           adapter_linear_names, finetune, next_token_loss, resolve_lora_targets, sync_neuron_norms)
+from rana.finetune.checkpoints import CheckpointFolder
+from rana.finetune.data import prepare_blocks
+from rana.finetune.source import inspect_source, probe_tokenizer
+from rana.finetune.trainer import make_accelerator
 from rana.io import load, save
 from rana.units import parse_tokens
 from rana.modules import NeuronThresholdLinear, RankAdapterLinear, SharedRankCode
@@ -69,6 +73,14 @@ def cfg(work, **kw) -> FinetuneConfig:
     return FinetuneConfig(**{**base, **kw})
 
 
+def trainer(config: FinetuneConfig, **kw) -> Trainer:
+    """A Trainer built from public parts the way finetune() builds one (no folder is created)."""
+    source = inspect_source(config)
+    accelerator = make_accelerator(config)
+    train_blocks, heldout_blocks = prepare_blocks(config, *probe_tokenizer(source, config))
+    return Trainer(config, source, train_blocks, heldout_blocks, accelerator, CheckpointFolder(config, accelerator), **kw)
+
+
 def _batch(seed=3):
     return torch.randint(0, 128, (2, 32), generator=torch.Generator().manual_seed(seed))
 
@@ -106,7 +118,7 @@ def test_parse_tokens_and_config_roundtrip(work):
 
 
 def test_lora_and_laurel_get_gradients_and_nothing_else(work):
-    tr = _Trainer(cfg(work), None, None)
+    tr = trainer(cfg(work))
     model, _, info = tr.build_model()
     base = model.get_base_model()
     targets = set(resolve_lora_targets(base, "adapters"))
@@ -124,10 +136,10 @@ def test_lora_and_laurel_get_gradients_and_nothing_else(work):
             assert p.grad is not None and p.grad.abs().sum() > 0, n
         else:
             assert p.grad is None, n
-    assert info["laurel_params"] > 0 and info["trainable_params"] == info["lora_params"] + info["laurel_params"]
+    assert info.laurel_params > 0 and info.trainable_params == info.lora_params + info.laurel_params
 
     # gradient checkpointing (non-reentrant) gives the same gradients through adapters and LAuReL
-    tr2 = _Trainer(cfg(work, gradient_checkpointing=True), None, None)
+    tr2 = trainer(cfg(work, gradient_checkpointing=True))
     model2, _, _ = tr2.build_model()
     _perturb(model2)
     model2.train()
@@ -151,11 +163,28 @@ def test_lora_target_choices(work):
         resolve_lora_targets(model, "nope")
 
 
+def test_trainer_trains_with_the_loss_it_is_given(work):
+    seen = []
+
+    def counting(model, batch):
+        seen.append(tuple(batch.shape))
+        return next_token_loss(model, batch)
+
+    tr = trainer(cfg(work, laurel="none", grad_accum=2), loss=counting)
+    result = tr.run(1e-3, 3)
+    assert result.status == "completed" and result.step == 3 and result.checkpoint is None
+    assert seen == [(4, 32)] * 6  # 3 optimizer steps × 2 micro-batches, all through the given loss
+    assert [r["step"] for r in tr.records] == [0, 1, 2, 3]  # the held-out score before step 1, then every step
+    assert result.final_eval["tokens"] == len(tr.heldout_blocks) * 31
+    assert result.final_eval["loss"] == pytest.approx(tr.records[-1]["heldout_loss"])
+    assert result.trainables.peft and result.trainables.laurel is None
+
+
 # ------------------------------------------------------------------------------------------ merge / save
 
 
 def test_merged_lora_equals_unmerged(work):
-    tr = _Trainer(cfg(work, lora_targets="all"), None, None)
+    tr = trainer(cfg(work, lora_targets="all"))
     model, _, _ = tr.build_model()
     _perturb(model, seed=7)
     sync_neuron_norms(model)  # what each optimizer step does: masks follow the effective weight W + ΔW
@@ -163,7 +192,7 @@ def test_merged_lora_equals_unmerged(work):
     x = _batch(5)
     with torch.no_grad():
         ref = model(input_ids=x).logits
-    merged = _merge(tr, model)
+    merged = tr.merge(model)
     assert not any("lora" in n for n, _ in merged.named_parameters())
     with torch.no_grad():
         got = merged(input_ids=x).logits
@@ -180,14 +209,14 @@ def test_finetune_writes_a_loadable_rana_folder(work, tmp_path):
     qwen = Qwen2ForCausalLM(Qwen2Config(**SMALL)).eval()  # q/k/v biases; default method
     save(_compress(qwen, "rana").model, None, tmp_path / "q", plan={"config": {"model": "x"}})
     # merge is exact for this adapter mix too (input-sparse / neuron q, k, v, o with biases)
-    tr = _Trainer(cfg(work, source=str(tmp_path / "q")), None, None)
+    tr = trainer(cfg(work, source=str(tmp_path / "q")))
     model, _, _ = tr.build_model()
     _perturb(model, seed=8)
     sync_neuron_norms(model)
     model.eval()
     with torch.no_grad():
         ref = model(input_ids=_batch(9)).logits
-        torch.testing.assert_close(_merge(tr, model)(input_ids=_batch(9)).logits, ref, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(tr.merge(model)(input_ids=_batch(9)).logits, ref, atol=1e-5, rtol=1e-5)
 
     out = tmp_path / "out"
     logs = []
@@ -255,21 +284,17 @@ def test_too_little_data(work, tmp_path):
         finetune(cfg(work, data=str(work.root / "short.pt"), seq_len=64, eval_data=work.data))
 
 
-def test_nan_loss_stops_and_keeps_last_good_checkpoint(work, tmp_path, monkeypatch):
-    import rana.finetune as ft
-
-    real = ft._compute_loss
+def test_nan_loss_stops_and_keeps_last_good_checkpoint(work, tmp_path):
     calls = {"n": 0}
 
     def flaky(model, batch):
         calls["n"] += 1
-        loss = real(model, batch)
+        loss = next_token_loss(model, batch)
         return loss * float("nan") if calls["n"] == 5 else loss
 
-    monkeypatch.setattr(ft, "_compute_loss", flaky)
     out = tmp_path / "o"
     with pytest.raises(NonFiniteLossError, match=r"step 5 .*checkpoint-00000004"):
-        finetune(cfg(work, out=str(out), save_every=2))
+        finetune(cfg(work, out=str(out), save_every=2), loss=flaky)
     assert sorted(p.name for p in (out / CHECKPOINTS).glob("checkpoint-*")) == ["checkpoint-00000002", "checkpoint-00000004"]
     assert not (out / "model.safetensors").exists()
     assert "error" in (out / CHECKPOINTS / "train_log.jsonl").read_text().splitlines()[-1]
@@ -281,7 +306,9 @@ def test_cli_reports_nan_with_nonzero_exit(work, tmp_path, monkeypatch):
     import rana.finetune as ft
     from rana.cli.app import app
 
-    monkeypatch.setattr(ft, "_compute_loss", lambda model, batch: model(input_ids=batch, labels=batch).loss * float("nan"))
+    # the CLI has no loss option: the finetune() it calls gets one passed in
+    nan_loss = lambda model, batch: model(input_ids=batch, labels=batch).loss * float("nan")  # noqa: E731
+    monkeypatch.setattr(ft, "finetune", functools.partial(ft.finetune, loss=nan_loss))
     res = CliRunner().invoke(app, ["finetune", work.rana, "--data", work.data, "--tokens", "512", "--seq-len", "32",
                                    "--out", str(tmp_path / "o")])
     assert res.exit_code == 3, res.output
@@ -298,7 +325,7 @@ def test_self_guided_start_begins_at_the_dense_model(work):
     r = finetune(cfg(work, self_guided_frac=0.5, dense_model=work.dense, laurel="none", eval_every=1), on_log=logs.append)
     # α = 1 at step 0 routes every adapted projection through its dense weight: the dense model's loss
     dense = LlamaForCausalLM.from_pretrained(work.dense).eval()
-    _, heldout = _prepare_blocks(cfg(work), None, 128)
+    _, heldout = prepare_blocks(cfg(work), None, 128)
     with torch.no_grad():
         ref = dense(input_ids=heldout, labels=heldout).loss.item()
     assert r.summary["heldout_loss_before"] == pytest.approx(ref, abs=1e-5)

@@ -325,16 +325,16 @@ def test_unknown_and_offline_tasks_are_refused_before_loading(work, tmp_path, no
 def test_block_order_is_a_stream_independent_of_the_budget():
     import tracemalloc
 
-    from rana.finetune import _OrderedBlocks
+    from rana.finetune.data import OrderedBlocks
 
     blocks = torch.arange(7 * 4).reshape(7, 4)
-    small = _OrderedBlocks(blocks, 30, seed=3)
+    small = OrderedBlocks(blocks, 30, seed=3)
     # the order a list built up front would give: one seeded permutation per epoch, cut to the budget
     upfront = torch.cat([torch.randperm(7, generator=torch.Generator().manual_seed(3 * 1_000_003 + e))
                          for e in range(5)])[:30]
     assert torch.equal(torch.stack([small[i] for i in range(30)]), blocks[upfront])
     tracemalloc.start()
-    huge = _OrderedBlocks(blocks, 10**12 // 4, seed=3)
+    huge = OrderedBlocks(blocks, 10**12 // 4, seed=3)
     item = huge[len(huge) - 1]
     _, peak = tracemalloc.get_traced_memory()
     tracemalloc.stop()

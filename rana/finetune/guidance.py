@@ -1,0 +1,109 @@
+"""The self-guided start (method.md §7): training begins at the dense model and hands over to the
+adapted one, ``o = α·dense(x) + (1−α)·adapted(x)`` with α going from 1 to 0."""
+from __future__ import annotations
+
+import gc
+import math
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from ..modules import InputSparseLinear, NeuronThresholdLinear, RankAdapterLinear, RankSliceLinear
+from .config import FinetuneError
+from .source import load_dense
+
+
+class SelfGuidance:
+    """``o = α·dense(x) + (1−α)·adapted(x)`` on every adapted projection, α: 1 → 0 on a cosine over
+    the first ``phase_steps`` steps, then the hooks and the dense weights are dropped.
+
+    The dense path of a rank adapter (RankAdapterLinear, one q/k/v RankSliceLinear) is the original
+    dense weight (frozen, not a parameter, never checkpointed); that of a masked linear
+    (NeuronThresholdLinear, InputSparseLinear) is its own weight without the mask. Implemented as
+    forward hooks, so module names, peft targets and state_dict keys are unchanged.
+    """
+
+    def __init__(self, model: nn.Module, dense: dict[str, tuple[torch.Tensor, torch.Tensor | None]], phase_steps: int):
+        self.phase_steps = int(phase_steps)
+        self.alpha = 1.0
+        self.dense = dense
+        self.handles = []
+        self.sites = 0
+        for name, m in model.named_modules():
+            if isinstance(m, (RankAdapterLinear, RankSliceLinear)) and name in dense:
+                self.handles.append(m.register_forward_hook(self._rank_hook(name)))
+                self.sites += 1
+            elif isinstance(m, (NeuronThresholdLinear, InputSparseLinear)):
+                self.handles.append(m.register_forward_hook(self._masked_hook))
+                self.sites += 1
+
+    def alpha_at(self, step: int) -> float:
+        if step >= self.phase_steps:
+            return 0.0
+        return 0.5 * (1.0 + math.cos(math.pi * step / self.phase_steps))
+
+    def set_step(self, step: int) -> float:
+        self.alpha = self.alpha_at(step)
+        return self.alpha
+
+    @property
+    def active(self) -> bool:
+        return bool(self.handles)
+
+    def _mix(self, dense_out: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+        a = self.alpha
+        return a * dense_out.to(out.dtype) + (1.0 - a) * out
+
+    def _rank_hook(self, name):
+        def hook(module, args, out):
+            if self.alpha <= 0.0:
+                return None
+            w, b = self.dense[name]
+            x = args[0]
+            return self._mix(F.linear(x, w.to(x.dtype), None if b is None else b.to(x.dtype)), out)
+
+        return hook
+
+    def _masked_hook(self, module, args, out):
+        if self.alpha <= 0.0:
+            return None
+        return self._mix(module.linear(args[0]), out)
+
+    def remove(self) -> None:
+        for h in self.handles:
+            h.remove()
+        self.handles = []
+        self.dense.clear()
+        gc.collect()
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+
+
+def dense_weights(model: nn.Module, reference: str, device, dtype) -> dict:
+    """The original dense weights of every rank-adapted projection, from the model `reference`."""
+    wanted = {n: m for n, m in model.named_modules() if isinstance(m, (RankAdapterLinear, RankSliceLinear))}
+    if not wanted:
+        return {}
+    try:
+        dense, _ = load_dense(reference, "float32")
+    except Exception as e:  # noqa: BLE001 - any load failure is reported the same way
+        raise FinetuneError(
+            f"the self-guided start needs the dense weights of the original model {reference!r}, which could not "
+            f"be loaded ({str(e).splitlines()[0] if str(e) else type(e).__name__}); pass --dense-model PATH or "
+            "--self-guided-frac 0") from None
+    out = {}
+    for name, m in wanted.items():
+        try:
+            d = dense.get_submodule(name)
+        except AttributeError:
+            d = None
+        shape = (m.out_features, m.in_features)
+        if not isinstance(d, nn.Linear) or tuple(d.weight.shape) != shape:
+            raise FinetuneError(f"--dense-model {reference!r} does not match this model: {name} should be a "
+                                f"{shape[0]}×{shape[1]} linear there")
+        out[name] = (d.weight.detach().to(device=device, dtype=dtype).clone(),
+                     None if d.bias is None else d.bias.detach().to(device=device, dtype=dtype).clone())
+    del dense
+    gc.collect()
+    return out

@@ -1,0 +1,112 @@
+"""Where a fine-tuning run's model comes from: the source (a rana folder, or a dense checkpoint when
+everything or chosen dense layers train), its weights, its tokenizer, and the dense model a self-guided
+start mixes in.
+
+Every read of a model, a tokenizer or ``rana_config.json`` / ``plan.json`` for fine-tuning is in this
+module, so it can move to one shared loader in one step.
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+from ..io import check_folder, is_rana_dir, read_meta, read_plan
+from ..io import load as load_rana
+from ..loading import ModelLoadError, check_loading_info, check_weight_files, clear_gguf_quantizer, resolve
+from ..units import DTYPES
+from .config import FinetuneConfig, FinetuneError
+
+
+@dataclass
+class Source:
+    kind: str  # "rana" | "dense"
+    path: str
+    meta: dict  # rana_config.json ({} for a dense checkpoint)
+    plan: dict | None  # plan.json (None for a dense checkpoint)
+    save_dtype: torch.dtype  # the dtype the fine-tuned folder is written in
+
+
+def inspect_source(config: FinetuneConfig) -> Source:
+    """What `config.source` is, read without loading weights; a rana folder is checked whole here."""
+    src = os.path.expanduser(config.source)
+    if is_rana_dir(src):
+        check_folder(src)  # schema, index and headers: one line before any work
+        meta, plan = read_meta(Path(src)), read_plan(src)
+        return Source("rana", src, meta, plan, getattr(torch, meta.get("dtype", "float32")))
+    if not config.full and config.lora_targets in (None, "adapters"):
+        raise FinetuneError(
+            f"'{config.source}' is a dense checkpoint, not a rana folder (no rana_config.json): there are no RaNA "
+            "adapters to fine-tune. Compress it first (`rana compress MODEL --out DIR`) and fine-tune DIR, or fine-tune "
+            "the dense model itself with --full (all weights) or --lora-targets all|q_proj,v_proj,... (LoRA)")
+    return Source("dense", src, {}, None, torch.float32)
+
+
+def load_source(source: Source, config: FinetuneConfig):
+    """(model, tokenizer or None) in `config.dtype`; the tokenizer from `config.tokenizer` when the source has none."""
+    dtype = DTYPES[config.dtype]
+    if source.kind == "rana":
+        model, tokenizer = load_rana(source.path, dtype=dtype)
+    else:
+        model, tokenizer = load_dense(source.path, config.dtype)
+    if tokenizer is None and config.tokenizer is not None:
+        tokenizer = load_tokenizer(config.tokenizer)
+    return model, tokenizer
+
+
+def load_dense(reference: str, dtype: str = "float32"):
+    """(model, tokenizer or None) for a dense checkpoint; unlike `load_model`, a missing tokenizer is fine
+    (pre-tokenised data needs none)."""
+    src = resolve(reference, dense=True)
+    kw = {"gguf_file": src.gguf_file} if src.gguf_file else {}
+    if not src.gguf_file and Path(src.path).is_dir():
+        check_weight_files(Path(src.path))
+    try:
+        model, info = AutoModelForCausalLM.from_pretrained(src.path, dtype=DTYPES[dtype], output_loading_info=True, **kw)
+    except OSError as e:
+        raise ModelLoadError(f"could not load '{reference}': {str(e).splitlines()[0]}") from None
+    check_loading_info(reference, info)  # missing tensors would train from random weights
+    clear_gguf_quantizer(model)
+    model = model.to(DTYPES[dtype])
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(src.path, **kw)
+    except Exception:  # noqa: BLE001 - no tokenizer files
+        tokenizer = None
+    return model.eval(), tokenizer
+
+
+def load_tokenizer(reference: str):
+    src = resolve(reference)
+    kw = {"gguf_file": src.gguf_file} if src.gguf_file else {}
+    return AutoTokenizer.from_pretrained(src.path, **kw)
+
+
+def probe_tokenizer(source: Source, config: FinetuneConfig):
+    """(tokenizer or None, vocab size) without loading the weights."""
+    tok, vocab = None, None
+    if config.tokenizer is not None:
+        tok = load_tokenizer(config.tokenizer)
+    if source.kind == "rana":
+        path = Path(source.path)
+        vocab = getattr(AutoConfig.from_pretrained(path), "vocab_size", None)
+        if tok is None and (path / "tokenizer_config.json").exists():
+            tok = AutoTokenizer.from_pretrained(path)
+    elif tok is None:
+        needs_text = not all(str(s).endswith((".pt", ".npy")) for s in (config.data, config.eval_data) if s is not None) \
+            or config.data is None
+        if needs_text:
+            tok = load_tokenizer(source.path)
+    if vocab is None and tok is not None:
+        vocab = len(tok)
+    return tok, vocab
+
+
+def dense_reference(source: Source, config: FinetuneConfig) -> str | None:
+    """The dense model the source was compressed from: --dense-model, else what plan.json names."""
+    ref = config.dense_model
+    if ref is None and source.plan is not None:
+        ref = (source.plan.get("config") or {}).get("model") or source.plan.get("model")
+    return ref

@@ -1,0 +1,223 @@
+"""What trains, and the model surgery around it: LoRA targets (the adapters' linear children, dense
+projections by name), LAuReL residuals, trainable flags; after training, the merge back to plain
+adapters (column-major weights, neuron norms that follow the trained weights)."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn as nn
+
+from ..archs import get_arch
+from ..modules import InputSparseLinear, NeuronThresholdLinear, RankAdapterLinear, RankSliceLinear, SharedRankCode
+from ..modules.laurel import LaurelConfig, apply_laurel, get_laurel_config, laurel_parameters
+from .config import FinetuneConfig, FinetuneError
+
+ADAPTER_TYPES = (RankAdapterLinear, SharedRankCode, RankSliceLinear, NeuronThresholdLinear, InputSparseLinear)
+
+
+def adapter_linear_names(model: nn.Module) -> list[str]:
+    """Dotted names of the nn.Linear children of every RaNA adapter (their B / A / linear)."""
+    names = []
+    for name, m in model.named_modules():
+        if isinstance(m, ADAPTER_TYPES):
+            for child_name, child in m.named_children():
+                if _is_linear(child):
+                    names.append(f"{name}.{child_name}" if name else child_name)
+    return names
+
+
+def _is_linear(module: nn.Module) -> bool:
+    """An nn.Linear, or a peft LoRA wrapper around one."""
+    return isinstance(module, nn.Linear) or isinstance(getattr(module, "base_layer", None), nn.Linear)
+
+
+def _layer_roots(model: nn.Module) -> list[str]:
+    """Names of the decoder-layer containers (LoRA 'all' stays inside them: no embeddings / lm_head)."""
+    try:
+        return [get_arch(model.config).layers]
+    except Exception:  # noqa: BLE001 - unknown architecture: any ModuleList named like layers
+        return [n for n, m in model.named_modules() if isinstance(m, nn.ModuleList) and n.split(".")[-1] in ("layers", "h")]
+
+
+def _dense_projection_names(model: nn.Module) -> list[str]:
+    """nn.Linear modules inside the decoder layers that are not part of an adapter."""
+    roots = _layer_roots(model)
+    inside_adapter = set()
+    for name, m in model.named_modules():
+        if isinstance(m, ADAPTER_TYPES):
+            inside_adapter.update(f"{name}.{c}" for c, _ in m.named_modules() if c)
+    out = []
+    for name, m in model.named_modules():
+        if isinstance(m, nn.Linear) and name not in inside_adapter and any(name.startswith(r + ".") for r in roots):
+            if ".laurel_" not in name:
+                out.append(name)
+    return out
+
+
+def resolve_lora_targets(model: nn.Module, spec: str | None) -> list[str]:
+    """Full module names for peft from ``adapters`` | ``all`` | ``none`` | ``name,name,...``.
+
+    A name selects every module whose dotted path ends with it (``o_proj``, ``mlp.down_proj``); an
+    adapter module contributes its linear children, a plain nn.Linear itself; ``adapters`` may appear in
+    the list.
+    """
+    spec = (spec or "adapters").strip()
+    adapters = adapter_linear_names(model)
+    if spec == "none":
+        return []
+    if spec == "adapters":
+        if not adapters:
+            raise FinetuneError("--lora-targets adapters: this model has no RaNA adapters; use --lora-targets all, "
+                                "a list of module names (e.g. q_proj,v_proj) or --full")
+        return adapters
+    if spec == "all":
+        return adapters + _dense_projection_names(model)
+    modules = dict(model.named_modules())
+    chosen: list[str] = []
+    for item in (s.strip() for s in spec.split(",")):
+        if not item:
+            continue
+        if item == "adapters":
+            chosen += adapters
+            continue
+        hits = [n for n in modules if n == item or n.endswith("." + item)]
+        found = []
+        for n in hits:
+            m = modules[n]
+            if isinstance(m, ADAPTER_TYPES):
+                found += [f"{n}.{c}" for c, ch in m.named_children() if isinstance(ch, nn.Linear)]
+            elif isinstance(m, nn.Linear):
+                found.append(n)
+        if not found:
+            leaves = sorted({n.split(".")[-1] for n in _dense_projection_names(model)} |
+                            {n.split(".")[-2] for n in adapters})
+            raise FinetuneError(f"--lora-targets: no linear or adapter module named {item!r}; available: "
+                                f"{', '.join(leaves)} (or adapters / all)")
+        chosen += found
+    return list(dict.fromkeys(chosen))
+
+
+def unique_parameters(params):
+    """Each parameter once (tied weights appear under several names)."""
+    seen = set()
+    for p in params:
+        if id(p) not in seen:
+            seen.add(id(p))
+            yield p
+
+
+@dataclass(frozen=True)
+class Trainables:
+    """What a model made trainable by `make_trainable` trains (the counts go into finetune.json)."""
+
+    peft: bool  # LoRA wraps some modules
+    lora_targets: int  # modules LoRA wraps
+    laurel: LaurelConfig | None  # the LAuReL residuals the model carries (trained, or kept frozen)
+    trainable_params: int
+    laurel_params: int
+    lora_params: int
+    total_params: int
+
+
+def make_trainable(model: nn.Module, config: FinetuneConfig) -> tuple[nn.Module, Trainables]:
+    """Add LAuReL / LoRA as `config` asks and set the trainable flags; returns the (maybe peft-wrapped) model."""
+    existing = get_laurel_config(model)
+    laurel_cfg = None
+    if config.laurel != "none":
+        laurel_cfg = LaurelConfig(variant=config.laurel, rank=config.laurel_rank, history=config.laurel_history)
+        if existing is not None:
+            if existing.components != laurel_cfg.components or existing.rank != laurel_cfg.rank:
+                raise FinetuneError(f"the source already has LAuReL {existing.variant} (rank {existing.rank}); "
+                                    f"--laurel {config.laurel} would add a second one: pass --laurel {existing.variant} "
+                                    f"--laurel-rank {existing.rank} to keep training it, or --laurel none")
+            laurel_cfg = existing
+        else:
+            apply_laurel(model, laurel_cfg, dtype=torch.float32 if config.dtype != "float32" else None)
+    elif existing is not None:
+        laurel_cfg = existing  # kept (frozen) and saved again
+    if config.gradient_checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    targets = [] if config.full else resolve_lora_targets(model, config.lora_targets)
+    peft_on = bool(targets)
+    if config.full:
+        for p in model.parameters():
+            p.requires_grad_(True)
+    elif peft_on:
+        from peft import LoraConfig, get_peft_model
+
+        lora = LoraConfig(r=config.lora_r, lora_alpha=config.lora_alpha, lora_dropout=config.lora_dropout,
+                          target_modules=targets, bias="none")
+        model = get_peft_model(model, lora)
+    else:
+        for p in model.parameters():
+            p.requires_grad_(False)
+    if config.laurel != "none":
+        for p in laurel_parameters(model):
+            p.requires_grad_(True)
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    if not trainable:
+        raise FinetuneError("nothing to train: --lora-targets none without --laurel; pick LoRA targets, a LAuReL "
+                            "variant or --full")
+    if hasattr(model, "config"):
+        model.config.use_cache = False
+    return model, Trainables(
+        peft=peft_on,
+        lora_targets=len(targets),
+        laurel=laurel_cfg,
+        trainable_params=sum(p.numel() for p in unique_parameters(trainable)),
+        laurel_params=sum(p.numel() for p in laurel_parameters(model)),
+        lora_params=sum(p.numel() for n, p in model.named_parameters() if "lora_" in n),
+        total_params=sum(p.numel() for p in unique_parameters(model.parameters())),
+    )
+
+
+def merge_trained(model: nn.Module, *, gradient_checkpointing: bool) -> nn.Module:
+    """An unwrapped trained model as a plain frozen one in eval mode: LoRA merged, adapter weights
+    column-major again, neuron norms of the merged weights, the KV cache back on."""
+    if hasattr(model, "merge_and_unload"):
+        model = model.merge_and_unload()
+    if hasattr(model, "gradient_checkpointing_disable") and gradient_checkpointing:
+        model.gradient_checkpointing_disable()
+    for p in model.parameters():
+        p.requires_grad_(False)
+    restore_column_major(model)
+    refresh_norms(model)
+    if hasattr(model, "config"):
+        model.config.use_cache = True
+    return model.eval()
+
+
+def restore_column_major(model: nn.Module) -> None:
+    """Adapter weights are stored column-major for the masked-GEMV kernels; keep it that way."""
+    for m in model.modules():
+        if isinstance(m, ADAPTER_TYPES):
+            for child in m.children():
+                if isinstance(child, nn.Linear) and not child.weight.t().is_contiguous():
+                    w = child.weight
+                    child.weight = nn.Parameter(w.detach().t().contiguous().t(), requires_grad=w.requires_grad)
+
+
+def refresh_norms(model: nn.Module) -> None:
+    for m in model.modules():
+        if isinstance(m, NeuronThresholdLinear):
+            m.refresh_norms()
+
+
+@torch.no_grad()
+def sync_neuron_norms(model: nn.Module) -> None:
+    """Point every NeuronThresholdLinear's mask criterion ``|h_i|·‖W[:, i]‖`` at the weight it really
+    applies: the trained weight, or with LoRA the effective ``W + ΔW``. Called after each optimizer step,
+    so training sees the masks the merged model will use (merged == unmerged)."""
+    for m in model.modules():
+        if isinstance(m, NeuronThresholdLinear):
+            lin = m.linear
+            base = getattr(lin, "base_layer", None)
+            if isinstance(base, nn.Linear) and hasattr(lin, "get_delta_weight"):
+                w = base.weight
+                for name in getattr(lin, "active_adapters", []):
+                    if name in getattr(lin, "lora_A", {}) and not lin.merged:
+                        w = w + lin.get_delta_weight(name)
+                m.column_norms.copy_(w.float().norm(dim=0))
+            else:
+                m.refresh_norms()
