@@ -17,7 +17,7 @@ Two measurements per budget F, both *ratios to the dense model timed interleaved
    use), compressed vs dense generations alternating; on GPU on single-token inputs captured
    during a real decode. Next to it the unit's measured FLOP fraction f on the decoded tokens
    (MacMeter). Decoding is memory bound, so the limit of an adapted unit's speedup is about 1/f
-   (method.md §5); "efficiency" is achieved speedup / (1/f).
+   (docs/method.md §5); "efficiency" is achieved speedup / (1/f).
 
 `--threads N` (CPU, default 1) writes decode_cpu_Nthreads.{md,json} when N > 1.
 

@@ -130,7 +130,7 @@ def test_flop_counter_matches_hand_count():
 
 
 def test_adapted_fraction_reproduces_paper_llama2_7b_split():
-    # method.md §3: Llama-2-7B at --flops 0.58 spends ~53 % of dense on MLP and QKV (47 % saved there)
+    # docs/method.md §3: Llama-2-7B at --flops 0.58 spends ~53 % of dense on MLP and QKV (47 % saved there)
     d = LayerDims(hidden=4096, q_out=4096, kv_out=4096, intermediate=11008, gated=True, n_heads=32, head_dim=128)
     dense = dense_model_macs([d] * 32, vocab_size=32000)
     adapted = 32 * sum(dense_layer_macs(d)[k] for k in ("q", "k", "v", "up", "gate", "down"))

@@ -67,14 +67,14 @@ def layer_errors(model: nn.Module, dense_model: nn.Module, tokens: torch.Tensor,
         return hook
 
     for idx, (layer, dlayer) in enumerate(zip(layers, dense_layers)):
-        qkv = [spec.qkv_fused] if spec.qkv_fused else [spec.q, spec.k, spec.v]
-        mods = [layer.get_submodule(f"{spec.attn}.{n}") for n in qkv]
-        adapted[(idx, "attention")] = any(_changed(m, dlayer.get_submodule(f"{spec.attn}.{n}")) for n, m in zip(qkv, mods))
-        for n, m in zip(qkv, mods):
-            handles.append(m.register_forward_hook(hook_for((idx, "attention"), dlayer.get_submodule(f"{spec.attn}.{n}"))))
-        o = layer.get_submodule(f"{spec.attn}.{spec.o}")
-        adapted[(idx, "o")] = _changed(o, dlayer.get_submodule(f"{spec.attn}.{spec.o}"))
-        handles.append(o.register_forward_hook(hook_for((idx, "o"), dlayer.get_submodule(f"{spec.attn}.{spec.o}"))))
+        qkv = list(spec.qkv_paths().values())
+        mods = [layer.get_submodule(path) for path in qkv]
+        adapted[(idx, "attention")] = any(_changed(m, dlayer.get_submodule(path)) for path, m in zip(qkv, mods))
+        for path, m in zip(qkv, mods):
+            handles.append(m.register_forward_hook(hook_for((idx, "attention"), dlayer.get_submodule(path))))
+        o = layer.get_submodule(spec.o_path())
+        adapted[(idx, "o")] = _changed(o, dlayer.get_submodule(spec.o_path()))
+        handles.append(o.register_forward_hook(hook_for((idx, "o"), dlayer.get_submodule(spec.o_path()))))
         mlp = layer.get_submodule(spec.mlp)
         adapted[(idx, "mlp")] = _changed(mlp, dlayer.get_submodule(spec.mlp))
         handles.append(mlp.register_forward_hook(hook_for((idx, "mlp"), dlayer.get_submodule(spec.mlp))))

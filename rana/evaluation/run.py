@@ -80,7 +80,7 @@ def evaluate_model(
       windows, tail dropped, all tokens but the first of each window).
     - FLOPs are *measured*: the meters of every adapter are on during those perplexity passes, so
       `flops` is the average per-token cost of the masks actually taken on the evaluation tokens
-      (attention products counted at `seq_len` context, method.md §3), overall and per text.
+      (attention products counted at `seq_len` context, docs/method.md §3), overall and per text.
     - `tasks`: lm-eval task names; `include_path` adds task YAMLs, `task_data` renders the
       bundled offline `*_local` tasks from that data folder.
     - `latency`: batch-1 decode speed; with `dense_model`, timed interleaved with it under the same

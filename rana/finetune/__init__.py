@@ -1,6 +1,6 @@
 """`rana finetune`: LoRA / LAuReL / full fine-tuning of a compressed (or dense) model.
 
-The flow (method.md §6-8)::
+The flow (docs/method.md §6-8)::
 
     rana folder (or dense checkpoint with --full / --lora-targets)
       → [LAuReL: learned residuals, identity at init]        --laurel rw+lr

@@ -1,4 +1,4 @@
-"""The self-guided start (method.md §7): training begins at the dense model and hands over to the
+"""The self-guided start (docs/method.md §7): training begins at the dense model and hands over to the
 adapted one, ``o = α·dense(x) + (1−α)·adapted(x)`` with α going from 1 to 0."""
 from __future__ import annotations
 
