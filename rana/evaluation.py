@@ -54,7 +54,7 @@ class LoadedModel:
 def _tokenizer_for(reference: str):
     from transformers import AutoTokenizer
 
-    from .loading import resolve
+    from .io.models import resolve
 
     src = resolve(reference)
     kw = {"gguf_file": src.gguf_file} if src.gguf_file else {}
@@ -64,7 +64,7 @@ def _tokenizer_for(reference: str):
 def load_for_eval(reference: str | Path, *, dtype: str = "float32", device: str = "cpu") -> LoadedModel:
     """A rana folder (`rana.io.load`, with its plan.json) or any dense reference (`load_model`)."""
     from . import io as rana_io
-    from .loading import load_model
+    from .io.models import load_model
     from .units import DTYPES
 
     reference = str(reference)

@@ -38,7 +38,7 @@ from pathlib import Path
 
 from .archs import base as _archs_base
 from .archs import get_arch
-from .card import write_export_card
+from .io.card import write_export_card
 
 TEMPLATE_DIR = Path(__file__).parent / "export_template"
 CONFIG_FILE = "configuration_rana.py"
@@ -356,7 +356,7 @@ def export(src_dir: str | Path, out_dir: str | Path, *, overwrite: bool = False,
     when `out_dir` exists and `overwrite` is False.
     """
     from . import io as rana_io
-    from .paths import check_output
+    from .io.paths import check_output
 
     src, out = Path(src_dir), Path(out_dir)
     _check_out_name(out)

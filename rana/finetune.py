@@ -626,7 +626,7 @@ def _load_dense(reference: str, dtype: str = "float32"):
     (pre-tokenised data needs none)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from .loading import ModelLoadError, check_loading_info, check_weight_files, clear_gguf_quantizer, resolve
+    from .io.models import ModelLoadError, check_loading_info, check_weight_files, clear_gguf_quantizer, resolve
 
     src = resolve(reference, dense=True)
     kw = {"gguf_file": src.gguf_file} if src.gguf_file else {}
@@ -648,7 +648,7 @@ def _load_dense(reference: str, dtype: str = "float32"):
 def _load_tokenizer(reference: str):
     from transformers import AutoTokenizer
 
-    from .loading import resolve
+    from .io.models import resolve
 
     src = resolve(reference)
     kw = {"gguf_file": src.gguf_file} if src.gguf_file else {}
@@ -1350,7 +1350,8 @@ def _merge(tr: _Trainer, model) -> nn.Module | None:
 
 def _check_no_input_overlap(cfg: FinetuneConfig, out: Path | None, ckpt_dir: Path | None) -> None:
     """--out and --checkpoint-dir never overlap an input; --overwrite replaces only rana's own folders."""
-    from .paths import check_output, check_work_dir, local_inputs, model_inputs
+    from .io.models import model_inputs
+    from .io.paths import check_output, check_work_dir, local_inputs
 
     inputs = model_inputs(cfg.source) + local_inputs(cfg.data, cfg.eval_data) + model_inputs(cfg.tokenizer)
     inputs += model_inputs(cfg.dense_model)
@@ -1362,7 +1363,7 @@ def _check_no_input_overlap(cfg: FinetuneConfig, out: Path | None, ckpt_dir: Pat
         check_work_dir(ckpt_dir, inputs, "--checkpoint-dir")
 
 def _write_output(tr: _Trainer, model, tokenizer, info, summary) -> Path:
-    from .config import write_json
+    from .io.format import write_json
     from .io import atomic_dir, save
 
     out = tr.out

@@ -10,18 +10,20 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
 import torch
 import torch.nn as nn
 
 from .archs import ArchSpec, set_submodule
-from .calibrate import InputStats
 from .math.decompose import decompose
 from .math.masks import subsample_rows, threshold_for_keep_fraction
 from .math.search import MlpComponent, code_stats, grid_search_mlp, input_sparse_choice, line_search_rank
 from .modules import (CatsActivation, InputSparseLinear, NeuronThresholdLinear, RankAdapterLinear, RankSliceLinear,
                       SharedRankCode)
+
+if TYPE_CHECKING:  # annotations only (calibrate fills InputStats; methods must not import compress)
+    from .compress.calibrate import InputStats
 
 # ---------------------------------------------------------------------------- roles
 

@@ -22,7 +22,7 @@ from typing import Any
 import torch
 
 from .compress import BudgetError, calibration_data, compress_model
-from .config import METHODS, CompressConfig
+from .compress.config import METHODS, CompressConfig
 from .evaluation import eval_tokens, evaluate_model, ppl_protocol, rank_adapters, rank_contributions, text_name
 
 Progress = Callable[[str, int, "int | None"], None]
@@ -197,7 +197,7 @@ class Sweep:
 
     def model(self):
         if self._model is None:
-            from .loading import load_model
+            from .io.models import load_model
 
             self.log(f"loading {self.cfg.model}")
             self._model, self._tokenizer, _ = load_model(self.cfg.model, dtype=self.cfg.dtype, device=self.cfg.device)
@@ -267,7 +267,7 @@ class Sweep:
             if self.cfg.save_models:
                 from .io import save
 
-                save(result.model, tok, self.out / "models" / name, plan=plan, overwrite=True,
+                save(result.model, tok, self.out / "models" / name, plan=plan, overwrite=True, offloaded=result.offloaded,
                      extra={"method": method, "compress_config": config.to_dict()})
             t0 = time.perf_counter()
             r = self._evaluate(result.model)
@@ -342,7 +342,8 @@ def describe_point(p: dict, texts: list[str]) -> str:
 
 def run_sweep(config: SweepConfig, *, progress: Progress | None = None, log: Log | None = None) -> dict:
     """Run (or resume) a sweep and write its outputs under `config.out`; returns results.json's content."""
-    from .paths import check_output, local_inputs, model_inputs
+    from .io.models import model_inputs
+    from .io.paths import check_output, local_inputs
 
     check_output(config.out, model_inputs(config.model) + local_inputs(config.dataset, *config.ppl_data),
                  resumable=("sweep folder",))

@@ -14,7 +14,7 @@ import torch
 import torch.nn as nn
 
 from . import distributed, placement
-from .archs import ArchSpec, decoder_layers
+from ..archs import ArchSpec, decoder_layers
 
 
 class CalibrationError(ValueError):
@@ -189,8 +189,7 @@ def collect_inputs(
     device: torch.device,
     stop_at: nn.Module | None = None,
     second_moment: tuple[str, ...] = (),
-    fit_sample_tokens: int = 4096,
-    threshold_fraction: float = 0.15,
+    threshold_fraction: float = distributed.THRESHOLD_FRACTION,
     layer_index: int = 0,
 ) -> dict[str, InputStats]:
     """Run `layer` on fit and held-aside tokens, recording the inputs of each target module.

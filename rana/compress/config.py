@@ -1,11 +1,13 @@
-"""Versioned, JSON round-trippable settings shared by the CLI, plan.json and saved models."""
+"""`CompressConfig`: the settings of one compression, versioned and JSON round-trippable (the CLI,
+plan.json's `config`, rana_config.json's `compress_config` and recipe.json all hold it)."""
 from __future__ import annotations
 
-import json
 from dataclasses import asdict, dataclass, fields
-from pathlib import Path
 
-FORMAT_VERSION = 1
+from ..checks import check_device
+from ..io.format import FORMAT_VERSION
+from ..units import parse_memory
+
 METHODS = ("rana", "rana-paper", "cats", "svd", "teal", "rana-contrib", "rana-mixed", "rana-wina")
 
 
@@ -44,7 +46,7 @@ class CompressConfig:
     search_tokens: int = 1024
     seed: int = 0
     allocation: str = "uniform"  # "uniform" (paper: same fraction everywhere) or "global" (measured sensitivity)
-    max_memory: str | None = None  # cap on compute-device memory, e.g. "2GB" (rana.offload)
+    max_memory: str | None = None  # cap on compute-device memory, e.g. "2GB" (rana.compress.memory)
     offload_dir: str | None = None  # stream layers from disk; compressed layers + activations kept here
 
     def validate(self) -> None:
@@ -55,8 +57,6 @@ class CompressConfig:
         if self.allocation not in ("uniform", "global"):
             raise ValueError(f"unknown allocation '{self.allocation}' (choose uniform or global)")
         if self.max_memory is not None:
-            from .units import parse_memory
-
             parse_memory(self.max_memory)
         if self.seq_len < 8:
             raise ValueError(f"--seq-len must be at least 8, got {self.seq_len}")
@@ -78,8 +78,6 @@ class CompressConfig:
                 raise ValueError(f"--{name.replace('_', '-')} must be a positive integer, got {getattr(self, name)}")
         if not 0.0 < self.grid_step <= 1.0:
             raise ValueError(f"--grid-step must be in (0, 1] (a share of the MLP budget), got {self.grid_step}")
-        from .checks import check_device
-
         check_device(self.device)
         check_device(self.offload_device)
 
@@ -91,6 +89,3 @@ class CompressConfig:
         names = {f.name for f in fields(cls)}
         return cls(**{k: v for k, v in d.items() if k in names})
 
-
-def write_json(path: Path, obj) -> None:
-    path.write_text(json.dumps(obj, indent=2, default=float) + "\n")

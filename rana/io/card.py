@@ -20,6 +20,10 @@ import re
 from pathlib import Path
 from typing import Any
 
+from .. import __version__
+from .aliases import ALIASES
+from .format import PLAN, RANA_CONFIG
+
 RECIPE = "recipe.json"
 CARD = "README.md"
 EVALUATION = "evaluation.json"
@@ -41,8 +45,6 @@ class RecipeError(ValueError):
 
 def recipe_from(config: dict) -> dict:
     """The recipe document for a `CompressConfig.to_dict()`."""
-    from . import __version__
-
     settings = {k: v for k, v in config.items() if k != "format_version"}
     return {"rana_recipe": RECIPE_VERSION, "command": "compress", "rana_version": __version__,
             "config": settings, "equivalent_command": command_line(settings)}
@@ -50,7 +52,7 @@ def recipe_from(config: dict) -> dict:
 
 def command_line(config: dict, out: str = "OUT") -> str:
     """`rana compress …` with every option the CLI has; the recipe carries the rest."""
-    from .config import CompressConfig
+    from ..compress.config import CompressConfig  # io sits below compress: read the settings schema on use
 
     defaults = CompressConfig(model="").to_dict()
     parts = ["rana compress", _quote(str(config.get("model", "MODEL")))]
@@ -72,7 +74,7 @@ def load_recipe(path: str | Path) -> dict:
     export). Unknown settings are refused, so a typo in a hand-written recipe is not ignored."""
     from dataclasses import fields
 
-    from .config import CompressConfig
+    from ..compress.config import CompressConfig  # io sits below compress: read the settings schema on use
 
     path = Path(os.path.expanduser(str(path)))
     if path.is_dir():
@@ -110,8 +112,6 @@ def base_model_id(reference: str | None) -> str | None:
     """A hub id for the card's `base_model`, or None for local files."""
     if not reference:
         return None
-    from .loading import ALIASES
-
     ref = str(reference)
     if ref.lower() in _ALIAS_BASE_MODELS:
         return _ALIAS_BASE_MODELS[ref.lower()]
@@ -274,7 +274,7 @@ def _usage(name: str, export: bool) -> list[str]:
 # --------------------------------------------------------------------------- writers
 
 
-def _final_name(name: str) -> str:
+def final_name(name: str) -> str:
     """The name a folder will have: `atomic_dir` writes into `.NAME.tmp-XXXX` and renames it
     (`rana finetune` saves into such a folder, so the name can be nested once)."""
     while m := re.fullmatch(r"\.(.+)\.tmp-[^.]*", name):
@@ -295,8 +295,6 @@ def _write_text(path: Path, text: str) -> None:
 def write_folder_card(folder: Path, *, name: str | None = None, source: Path | None = None, export: bool = False) -> None:
     """(Re)write `recipe.json` and `README.md` of `folder` from the metadata in `source`
     (default: the folder itself; an export reads its rana source folder)."""
-    from .io import PLAN, RANA_CONFIG
-
     folder, source = Path(folder), Path(source or folder)
     meta = _read_json(source / RANA_CONFIG) or {}
     plan = _read_json(source / PLAN)
@@ -305,7 +303,7 @@ def write_folder_card(folder: Path, *, name: str | None = None, source: Path | N
     if config:
         _write_text(folder / RECIPE, json.dumps(recipe_from(config), indent=2, default=float) + "\n")
     meta = {**meta, "model_type": (_read_json(source / "config.json") or {}).get("model_type")}
-    _write_text(folder / CARD, render_card(_final_name(name or folder.name), meta=meta, plan=plan,
+    _write_text(folder / CARD, render_card(final_name(name or folder.name), meta=meta, plan=plan,
                                            evaluation=evaluation, export=export))
 
 
@@ -322,4 +320,4 @@ def add_evaluation(folder: Path, evaluation: dict) -> None:
 
 
 __all__ = ["RECIPE", "CARD", "EVALUATION", "RecipeError", "recipe_from", "command_line", "load_recipe",
-           "base_model_id", "render_card", "write_folder_card", "write_export_card", "add_evaluation"]
+           "base_model_id", "render_card", "final_name", "write_folder_card", "write_export_card", "add_evaluation"]
