@@ -77,6 +77,9 @@ def save(model: nn.Module, tokenizer, out: Path, *, plan: dict | None = None, ex
     streamed compression wrote to disk one by one (`CompressResult.offloaded`); the folder is then
     written sharded, one file per layer plus the rest."""
     out = Path(out)
+    if offloaded is None and any(t.device.type == "meta" for t in model.state_dict().values()):
+        raise ValueError("the model's decoder layers are on disk (a streamed compression): pass "
+                         "offloaded=result.offloaded to save them")
     with atomic_dir(out, overwrite=overwrite) as tmp:
         model.config.save_pretrained(tmp)
         if tokenizer is not None:
