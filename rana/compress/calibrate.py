@@ -48,7 +48,7 @@ class LayerKwargs(dict):
     those of every layer: sliding-window and global layers get different masks (Gemma 2/3) and
     rotary embeddings (Gemma 3), so `advance()` gives the next layer's. Layers of one type share
     the same dict. `batch_id` / `role` place the batch in the global calibration set when it is
-    split across processes (`rana.distributed`; role None: single process)."""
+    split across processes (`rana.compress.distributed`; role None: single process)."""
 
     def __init__(self, per_layer: list[dict], layer: int = 0, batch_id: int | None = None, role: str | None = None):
         super().__init__(per_layer[layer])
@@ -95,7 +95,7 @@ def capture_first_layer_inputs(model: nn.Module, spec: ArchSpec, sequences: torc
     runs), keeping layer 0's inputs and every layer's kwargs. The decoder layers are never
     computed, so their weights may be anywhere (offload device, or not loaded at all).
 
-    Under `rana.distributed`, each process keeps only its share of the batches."""
+    Under `rana.compress.distributed`, each process keeps only its share of the batches."""
     layers = decoder_layers(model, spec)
     n_layers = len(layers)
     record: dict = {}

@@ -173,7 +173,7 @@ def reduce_stats(stats: dict, row_ids: dict, dims: dict[str, int | None], second
                  device: torch.device | str = "cpu") -> None:
     """Pool `collect_inputs` statistics across processes in place (see the module docstring).
     `row_ids[name]` = {"fit": [...], "eval": [...]}: the global batch id of each row chunk.
-    The pooled statistics end on `device`, the compute device (rana.placement)."""
+    The pooled statistics end on `device`, the compute device (rana.compress.placement)."""
     for name in sorted(stats):
         s = stats[name]
         if name in second_moment:
