@@ -64,6 +64,9 @@ def test_streamed_compression_equals_in_memory(arch, tmp_path):
     assert streamed.plan["measured_flops"] == in_memory.plan["measured_flops"]
     assert streamed.plan["memory"]["weights_home"].startswith("disk")
     assert in_memory.offloaded is None and streamed.offloaded is not None
+    with pytest.raises(ValueError, match="offloaded=result.offloaded"):  # its layers are on disk, not in the model
+        save(streamed.model, None, tmp_path / "no-layers", plan=streamed.plan)
+    assert not (tmp_path / "no-layers").exists()
     save(streamed.model, None, tmp_path / "disk", plan=streamed.plan, offloaded=streamed.offloaded)
     assert (tmp_path / "disk" / WEIGHTS_INDEX).exists()  # one shard per layer + the rest
 
