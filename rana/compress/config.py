@@ -2,10 +2,10 @@
 plan.json's `config`, rana_config.json's `compress_config` and recipe.json all hold it)."""
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, fields
+from dataclasses import dataclass
 
 from ..checks import check_device
-from ..io.format import FORMAT_VERSION
+from ..io.format import CompressSettings
 from ..units import parse_memory
 
 METHODS = ("rana", "rana-paper", "cats", "svd", "teal", "rana-contrib", "rana-mixed", "rana-wina")
@@ -26,28 +26,9 @@ def min_calib_tokens(seq_len: int, heldout_fraction: float = 0.125) -> int:
 
 
 @dataclass
-class CompressConfig:
-    model: str
-    flops: float = 0.58
-    method: str = "rana"
-    dataset: str | None = None
-    dataset_config: str | None = None
-    split: str = "train"
-    text_column: str = "text"
-    calib_tokens: int = 32768
-    seq_len: int = 512
-    heldout_fraction: float = 0.125
-    batch_size: int = 8
-    dtype: str = "float32"
-    device: str = "cpu"
-    offload_device: str = "cpu"
-    grid_step: float = 0.125
-    fit_sample_tokens: int = 1024
-    search_tokens: int = 1024
-    seed: int = 0
-    allocation: str = "uniform"  # "uniform" (paper: same fraction everywhere) or "global" (measured sensitivity)
-    max_memory: str | None = None  # cap on compute-device memory, e.g. "2GB" (rana.compress.memory)
-    offload_dir: str | None = None  # stream layers from disk; compressed layers + activations kept here
+class CompressConfig(CompressSettings):
+    """The settings of one compression (fields, defaults and JSON form: `rana.io.format.CompressSettings`,
+    which folders and recipes record), checked by `validate` before any work."""
 
     def validate(self) -> None:
         if not 0.0 < self.flops <= 1.0:
@@ -80,12 +61,3 @@ class CompressConfig:
             raise ValueError(f"--grid-step must be in (0, 1] (a share of the MLP budget), got {self.grid_step}")
         check_device(self.device)
         check_device(self.offload_device)
-
-    def to_dict(self) -> dict:
-        return {"format_version": FORMAT_VERSION, **asdict(self)}
-
-    @classmethod
-    def from_dict(cls, d: dict) -> "CompressConfig":
-        names = {f.name for f in fields(cls)}
-        return cls(**{k: v for k, v in d.items() if k in names})
-

@@ -17,12 +17,13 @@ from __future__ import annotations
 import json
 import os
 import re
+from dataclasses import fields
 from pathlib import Path
 from typing import Any
 
 from .. import __version__
 from .aliases import ALIASES
-from .format import PLAN, RANA_CONFIG
+from .format import PLAN, RANA_CONFIG, CompressSettings
 
 RECIPE = "recipe.json"
 CARD = "README.md"
@@ -52,9 +53,8 @@ def recipe_from(config: dict) -> dict:
 
 def command_line(config: dict, out: str = "OUT") -> str:
     """`rana compress …` with every option the CLI has; the recipe carries the rest."""
-    from ..compress.config import CompressConfig  # io sits below compress: read the settings schema on use
 
-    defaults = CompressConfig(model="").to_dict()
+    defaults = CompressSettings(model="").to_dict()
     parts = ["rana compress", _quote(str(config.get("model", "MODEL")))]
     for name in _CLI_FIELDS:
         value = config.get(name, defaults.get(name))
@@ -72,9 +72,6 @@ def _quote(s: str) -> str:
 def load_recipe(path: str | Path) -> dict:
     """The CompressConfig settings in a recipe file (or in the recipe.json of a rana folder /
     export). Unknown settings are refused, so a typo in a hand-written recipe is not ignored."""
-    from dataclasses import fields
-
-    from ..compress.config import CompressConfig  # io sits below compress: read the settings schema on use
 
     path = Path(os.path.expanduser(str(path)))
     if path.is_dir():
@@ -92,7 +89,7 @@ def load_recipe(path: str | Path) -> dict:
     settings = doc.get("config", doc)
     if not isinstance(settings, dict):
         raise RecipeError(f"recipe {path}: 'config' must be an object")
-    known = {f.name for f in fields(CompressConfig)}
+    known = {f.name for f in fields(CompressSettings)}
     ignored = {"rana_recipe", "command", "rana_version", "equivalent_command", "format_version"}
     unknown = sorted(set(settings) - known - ignored)
     if unknown:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import math
 import os
+from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 
 import torch
@@ -29,6 +30,42 @@ PLAN = "plan.json"
 
 class ModelLoadError(ValueError):
     """A model reference or folder that cannot be resolved or loaded (user-facing)."""
+
+
+@dataclass
+class CompressSettings:
+    """What one compression was run with, as plan.json (`config`), rana_config.json
+    (`compress_config`) and recipe.json record it; `rana.compress.CompressConfig` adds the checks."""
+
+    model: str
+    flops: float = 0.58
+    method: str = "rana"
+    dataset: str | None = None
+    dataset_config: str | None = None
+    split: str = "train"
+    text_column: str = "text"
+    calib_tokens: int = 32768
+    seq_len: int = 512
+    heldout_fraction: float = 0.125
+    batch_size: int = 8
+    dtype: str = "float32"
+    device: str = "cpu"
+    offload_device: str = "cpu"
+    grid_step: float = 0.125
+    fit_sample_tokens: int = 1024
+    search_tokens: int = 1024
+    seed: int = 0
+    allocation: str = "uniform"  # "uniform" (paper: same fraction everywhere) or "global" (measured sensitivity)
+    max_memory: str | None = None  # cap on compute-device memory, e.g. "2GB" (rana.compress.memory)
+    offload_dir: str | None = None  # stream layers from disk; compressed layers + activations kept here
+
+    def to_dict(self) -> dict:
+        return {"format_version": FORMAT_VERSION, **asdict(self)}
+
+    @classmethod
+    def from_dict(cls, d: dict):
+        names = {f.name for f in fields(cls)}
+        return cls(**{k: v for k, v in d.items() if k in names})
 
 
 def write_json(path: Path, obj) -> None:
@@ -120,5 +157,6 @@ def tied_keys(model: nn.Module) -> set[str]:
     return {f"{name}.weight"} if name is not None else set()
 
 
-__all__ = ["FORMAT_VERSION", "WEIGHTS", "WEIGHTS_INDEX", "RANA_CONFIG", "PLAN", "ModelLoadError", "write_json",
+__all__ = ["FORMAT_VERSION", "WEIGHTS", "WEIGHTS_INDEX", "RANA_CONFIG", "PLAN", "ModelLoadError", "CompressSettings",
+           "write_json",
            "threshold_to_json", "threshold_from_json", "adapter_specs", "install_empty_adapters", "tied_keys"]
