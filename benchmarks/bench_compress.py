@@ -66,7 +66,7 @@ def main() -> None:
     from rana.data import load_texts, tokenize_stream
     from rana.evaluation.perplexity import perplexity
     from rana.io import load
-    from rana.loading import load_model
+    from rana.io.models import load_model
 
     work = Path(args.work or tempfile.mkdtemp(prefix="rana-bench-"))
     dense, tok, _ = load_model("smollm2-135m")

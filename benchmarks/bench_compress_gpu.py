@@ -78,8 +78,7 @@ def build_random(folder: Path, shape: tuple, device: str, dtype) -> None:
 CHILD = r"""
 import json, resource, sys, time
 import torch
-from rana.compress import compress
-from rana.config import CompressConfig
+from rana.compress import CompressConfig, compress
 cfg = CompressConfig(**json.loads(sys.argv[1]))
 marks = []
 def progress(stage, done, total):

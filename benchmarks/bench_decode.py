@@ -49,8 +49,7 @@ MODEL = "smollm2-135m"
 def compressed_models(args, dense_config) -> dict[float, tuple[torch.nn.Module, dict]]:
     """{F: (model, plan)}: rana folders from --from / --save-dir, else compressed now."""
     from rana import io as rio
-    from rana.compress import compress
-    from rana.config import CompressConfig
+    from rana.compress import CompressConfig, compress
 
     given = {}
     for item in args.from_dirs or []:
@@ -74,7 +73,7 @@ def compressed_models(args, dense_config) -> dict[float, tuple[torch.nn.Module, 
             print(f"F={f}: compressed in {time.perf_counter() - t0:.0f}s, measured {plan['measured_flops']:.4f}", flush=True)
             if args.save_dir:
                 rio.save(model, result.tokenizer, Path(args.save_dir) / _folder_name(f), plan=plan, overwrite=True,
-                         extra={"method": config.method, "compress_config": config.to_dict()})
+                         offloaded=result.offloaded, extra={"method": config.method, "compress_config": config.to_dict()})
         out[f] = (model.eval(), plan)
     return out
 
@@ -490,7 +489,7 @@ def main(argv=None) -> None:
 
     from transformers.utils import logging as hf_logging
 
-    from rana.loading import load_model
+    from rana.io.models import load_model
 
     hf_logging.set_verbosity_error()
     hf_logging.disable_progress_bar()

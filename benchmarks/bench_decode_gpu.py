@@ -63,8 +63,7 @@ def _build(config, dtype, device, seed=0):
 
 def compressed_layers(shape: dict, budget: float, n_layers: int, dtype, device, smoke: bool, notes: list):
     """`n_layers` decoder layers compressed by rana at `budget` (on the GPU if it works, else CPU float32)."""
-    from rana.compress import compress_model
-    from rana.config import CompressConfig
+    from rana.compress import CompressConfig, compress_model
 
     vocab = 64
     calib = torch.randint(0, vocab, (24 if smoke else 72, 16 if smoke else 128), generator=torch.Generator().manual_seed(1))

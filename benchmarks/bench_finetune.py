@@ -35,15 +35,14 @@ RESULTS = ROOT / "benchmarks" / "results"
 def compressed_dir(args) -> Path:
     if args.rana_dir and (Path(args.rana_dir) / "rana_config.json").is_file():
         return Path(args.rana_dir)
-    from rana.compress import compress
-    from rana.config import CompressConfig
+    from rana.compress import CompressConfig, compress
     from rana.io import save
 
     out = Path(args.rana_dir or Path(args.work) / "smollm2_f058")
     t0 = time.perf_counter()
     config = CompressConfig(model="smollm2-135m", flops=0.58, dataset=str(TRAIN))
     result = compress(config)
-    save(result.model, result.tokenizer, out, plan=result.plan, extra={"method": config.method,
+    save(result.model, result.tokenizer, out, plan=result.plan, offloaded=result.offloaded, extra={"method": config.method,
                                                                       "compress_config": config.to_dict()},
          overwrite=True)
     print(f"compressed in {time.perf_counter() - t0:.0f}s -> {out}", flush=True)
@@ -84,7 +83,7 @@ def fp_sensitivity(folder: Path, args, rel: float = 1e-6) -> dict:
 def dense_perplexity(args) -> float:
     """The uncompressed SmolLM2 on the same held-out windows (the ceiling fine-tuning works towards)."""
     from rana.evaluation.perplexity import perplexity
-    from rana.loading import load_model
+    from rana.io.models import load_model
 
     model, tok, _ = load_model("smollm2-135m")
     return perplexity(model, heldout_stream(tok, args), seq_len=args.seq_len, batch_size=args.batch_size,

@@ -3,7 +3,7 @@ growing hidden size, intermediate size and layer count (tiny → SmolLM2-135M-sh
 a fresh subprocess (single-threaded torch, so a busy shared CPU does not distort the timings).
 
 Fits per-layer time to the work terms of one layer and extrapolates to Llama-2-7B / 70B, on this
-CPU and on an H100 under stated throughput assumptions; checks `rana.offload.estimate_memory`
+CPU and on an H100 under stated throughput assumptions; checks `rana.compress.memory.estimate_memory`
 against the measured peak. Writes benchmarks/results/scaling.{json,md}.
 
     python benchmarks/bench_scaling.py                 # the default grid (≈ 5–8 min on 1 busy core)
@@ -83,9 +83,8 @@ def _worker(spec: dict) -> dict:
 
     torch.set_num_threads(1)
     from rana.accounting import layer_dims
-    from rana.compress import compress_model
-    from rana.config import CompressConfig
-    from rana.offload import estimate_memory
+    from rana.compress import CompressConfig, compress_model
+    from rana.compress.memory import estimate_memory
     from types import SimpleNamespace
 
     def status(field):
@@ -219,11 +218,11 @@ def extrapolate(model_fit: dict, rates: dict[str, float]) -> dict:
 
 
 def memory_at_scale() -> dict:
-    """rana.offload.estimate_memory for the targets in bfloat16 on CUDA (defaults: 32k tokens, seq 512)."""
+    """rana.compress.memory.estimate_memory for the targets in bfloat16 on CUDA (defaults: 32k tokens, seq 512)."""
     import transformers as tf
 
-    from rana.config import CompressConfig
-    from rana.offload import estimate_memory, model_weight_bytes
+    from rana.compress import CompressConfig
+    from rana.compress.memory import estimate_memory, model_weight_bytes
 
     out = {}
     for name, t in TARGETS.items():
@@ -256,7 +255,7 @@ def write(rows, model_fit, extra, mem, path_json, path_md, elapsed):
          f"{RUN['grid_step']}; float32; one torch thread on a shared 2-core machine (load average "
          f"{os.getloadavg()[0]:.1f}), each model in a fresh subprocess. Peak RSS is measured during compression "
          "(VmHWM reset at its start) and includes the interpreter, the model and its calibration state; "
-         "'estimate' is `rana.offload.estimate_memory` (CPU device, model in RAM).", "",
+         "'estimate' is `rana.compress.memory.estimate_memory` (CPU device, model in RAM).", "",
          "| model | hidden | inter | layers | vocab | params (M) | wall s | CPU s | CPU s / layer | RSS before MB | peak RSS MB | peak − before MB | estimate MB | measured FLOPs |",
          "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:

@@ -18,11 +18,10 @@ out = Console()
 def user_errors() -> tuple[type[BaseException], ...]:
     """Exception types that mean "the input is wrong", reported without a traceback."""
     from rana.archs import UnsupportedArchitectureError
-    from rana.calibrate import CalibrationError
-    from rana.compress import BudgetError
+    from rana.compress import BudgetError, CalibrationError
     from rana.data import DataError
     from rana.io import OutputExistsError
-    from rana.loading import ModelLoadError
+    from rana.io.models import ModelLoadError
 
     return (UnsupportedArchitectureError, CalibrationError, BudgetError, DataError, OutputExistsError, ModelLoadError,
             ValueError, FileNotFoundError)

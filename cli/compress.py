@@ -49,7 +49,7 @@ def _with_recipe(ctx: typer.Context, options: dict, recipe: Optional[Path]) -> d
         if options["model"] is None:
             raise ValueError("missing MODEL: pass a model (alias, hub id, folder or .gguf) or --recipe FILE")
         return options
-    from rana.card import load_recipe
+    from rana.io.card import load_recipe
 
     settings = load_recipe(recipe)
     # by name: typer may ship its own copy of click's ParameterSource enum
@@ -92,12 +92,12 @@ def register(app: typer.Typer) -> None:
                                                    "one at a time; compressed layers and calibration activations are kept here"),
     ) -> None:
         """Compress a model with RaNA adapters to a model-level FLOP budget."""
+        from rana.compress import CompressConfig
         from rana.compress import compress as run
-        from rana.config import CompressConfig
+        from rana.compress.distributed import is_main_process
         from rana.io import OutputExistsError, save
-        from rana.loading import resolve
-
-        from rana.paths import check_output, check_work_dir, local_inputs, model_inputs, written_files
+        from rana.io.models import model_inputs, resolve
+        from rana.io.paths import check_output, check_work_dir, local_inputs, written_files
 
         if out.exists() and not overwrite:
             raise OutputExistsError(f"output folder '{out}' already exists; choose another --out or pass --overwrite")
@@ -119,11 +119,9 @@ def register(app: typer.Typer) -> None:
                      offload_dir=offload_dir)  # before any work starts
         with LazyProgress(f"compressing {config.model}") as progress:
             result = run(config, progress=progress)
-        from rana.distributed import is_main_process
-
         if not is_main_process():  # `accelerate launch`: every process holds the same model; one writes it
             return
-        save(result.model, result.tokenizer, out, plan=result.plan, overwrite=overwrite,
+        save(result.model, result.tokenizer, out, plan=result.plan, overwrite=overwrite, offloaded=result.offloaded,
              extra={"method": config.method, "compress_config": config.to_dict()})
         stdout.print(plan_table(result.plan))
         p = result.plan

@@ -143,14 +143,14 @@ def register(app: typer.Typer) -> None:
             check_tasks(task_list, include_path=include_path,
                         data_dir=task_data if any(t.endswith("_local") for t in task_list) else None)
         from rana.io import check_folder, is_rana_dir
-        from rana.loading import resolve
+        from rana.io.models import model_inputs, resolve
 
         for r in refs:
             if not is_rana_dir(r):
                 resolve(r)  # fail fast on an unknown model
             else:
                 check_folder(r)  # a broken rana folder: one line before any work
-        from rana.paths import check_output_file, local_inputs, model_inputs
+        from rana.io.paths import check_output_file, local_inputs
 
         check_output_file(json_out, [p for r in refs + ([dense] if dense else []) for p in model_inputs(r)]
                           + local_inputs(*ppl_data), "--json")

@@ -71,7 +71,7 @@ def register(app: typer.Typer) -> None:
     ) -> None:
         """Compress with several methods at several budgets; evaluate, tabulate and plot (resumable)."""
         from rana.data import check_source
-        from rana.loading import resolve
+        from rana.io.models import resolve
         from rana.sweep import SweepConfig, run_sweep
 
         config = SweepConfig(model=model, out=out, ppl_data=list(ppl_data), methods=methods.split(","), flops=_floats(flops),
@@ -82,7 +82,8 @@ def register(app: typer.Typer) -> None:
                              save_models=save_models)
         config.validate()
         resolve(model, dense=True)  # fail fast on an unknown model (or a rana folder)
-        from rana.paths import check_output, local_inputs, model_inputs
+        from rana.io.models import model_inputs
+        from rana.io.paths import check_output, local_inputs
 
         check_output(out, model_inputs(model) + local_inputs(dataset, *ppl_data), resumable=("sweep folder",))
         check_inputs(model, seq_len=seq_len, out=out, out_inside=True, data=list(ppl_data))  # fail fast

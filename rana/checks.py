@@ -8,6 +8,8 @@ import os
 import tempfile
 from pathlib import Path
 
+from .io.models import ModelLoadError, resolve
+
 _POSITION_KEYS = ("max_position_embeddings", "n_positions", "max_sequence_length", "seq_length")
 
 
@@ -87,8 +89,6 @@ def max_positions(reference: str) -> int | None:
     model reports those problems itself)."""
     from transformers import AutoConfig
 
-    from .loading import resolve
-
     try:
         local = Path(os.path.expanduser(str(reference)))
         if (local / "config.json").is_file():
@@ -118,8 +118,6 @@ def check_seq_len(reference: str, seq_len: int, option: str = "--seq-len") -> No
 def check_available(reference: str) -> None:
     """Fail before any work on a model that cannot be found: an unknown alias or path (`resolve`), or a
     hub id that is neither cached while offline nor on the hub."""
-    from .loading import ModelLoadError, resolve
-
     src = resolve(str(reference))
     if src.gguf_file or Path(src.path).exists():
         return

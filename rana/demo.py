@@ -82,14 +82,14 @@ def run(args: argparse.Namespace) -> dict:
     from rich.console import Console
 
     import rana
-    from rana.card import add_evaluation
+    from rana.io.card import add_evaluation
     from rana.cli.common import print_wide
     from rana.cli.evaluate_cmd import eval_table
     from rana.compress import calibration_data, compress_model
-    from rana.config import CompressConfig
+    from rana.compress import CompressConfig
     from rana.data import BUNDLED_CORPUS, BUNDLED_HELDOUT
     from rana.evaluation import eval_tokens, evaluate_model, ppl_protocol
-    from rana.loading import load_model
+    from rana.io.models import load_model
 
     console = Console(stderr=True)
     say = lambda msg: console.print(msg, highlight=False, soft_wrap=True)  # noqa: E731
@@ -122,7 +122,7 @@ def run(args: argparse.Namespace) -> dict:
     t = lap("compress", t)
     folder = out / f"{Path(args.model).name.replace('.', '-')}-{args.method}{round(args.flops * 100)}"
     out.mkdir(parents=True, exist_ok=True)
-    rana.save(result.model, result.tokenizer, folder, plan=result.plan, overwrite=True,
+    rana.save(result.model, result.tokenizer, folder, plan=result.plan, overwrite=True, offloaded=result.offloaded,
               extra={"method": config.method, "compress_config": config.to_dict()})
     del result
     compressed, _ = rana.load(folder)  # measure what was saved, as a user would load it

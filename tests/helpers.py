@@ -41,7 +41,7 @@ def tiny_calibration(n_fit: int = 48, n_heldout: int = 8, seq_len: int = 32, voc
 
 
 def tiny_compress_config(**kw):
-    from rana.config import CompressConfig
+    from rana.compress import CompressConfig
 
     base = dict(model="tiny", flops=0.7, calib_tokens=1792, seq_len=32, batch_size=4, search_tokens=128,
                 fit_sample_tokens=256)

@@ -8,7 +8,7 @@ import torch
 
 from rana.accounting import layer_dims
 from rana.archs import UnsupportedArchitectureError, decoder_layers, get_arch, supported_model_types
-from rana.calibrate import LayerInputs, capture_first_layer_inputs, run_layer
+from rana.compress.calibrate import LayerInputs, capture_first_layer_inputs, run_layer
 from rana.compress import compress_model
 from rana.io import load, save
 from rana.methods import fused_gate_up_act

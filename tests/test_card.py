@@ -2,13 +2,12 @@
 import json
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 import yaml
 from typer.testing import CliRunner
 
-from rana.card import RecipeError, base_model_id, load_recipe
+from rana.io.card import RecipeError, base_model_id, load_recipe
 from rana.cli.app import app
 from helpers import tiny_model_dir
 
@@ -137,7 +136,7 @@ def test_export_card_and_recipe(compressed, tmp_path):
 def test_evaluation_goes_into_the_card(compressed, tmp_path):
     import shutil
 
-    from rana.card import add_evaluation
+    from rana.io.card import add_evaluation
 
     folder = tmp_path / "copy"
     shutil.copytree(compressed, folder)
@@ -172,8 +171,8 @@ def test_rana_load_is_top_level_and_import_stays_light(compressed):
 
 
 def test_card_names_the_final_folder_not_the_temp_one():
-    from rana.card import _final_name
+    from rana.io.card import final_name
 
-    assert _final_name(".smol-ft.tmp-k2j_x9") == "smol-ft"
-    assert _final_name("..smol-ft.tmp-a1.tmp-b2") == "smol-ft"  # finetune saves inside atomic_dir's temp folder
-    assert _final_name("smol-rana") == "smol-rana" and _final_name(".hidden") == ".hidden"
+    assert final_name(".smol-ft.tmp-k2j_x9") == "smol-ft"
+    assert final_name("..smol-ft.tmp-a1.tmp-b2") == "smol-ft"  # finetune saves inside atomic_dir's temp folder
+    assert final_name("smol-rana") == "smol-rana" and final_name(".hidden") == ".hidden"

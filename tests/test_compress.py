@@ -120,7 +120,7 @@ def test_bad_flops_and_unknown_arch():
 
 
 def test_nan_activations_are_reported():
-    from rana.calibrate import CalibrationError
+    from rana.compress.calibrate import CalibrationError
 
     model = tiny_model("llama")
     with torch.no_grad():

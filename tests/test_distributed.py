@@ -1,4 +1,4 @@
-"""Multi-process calibration (rana.distributed): two CPU processes (gloo, joined through
+"""Multi-process calibration (rana.compress.distributed): two CPU processes (gloo, joined through
 accelerate's PartialState as under `accelerate launch`) each push half of the calibration batches
 and pool moments / sample rows / meters, and end with the same statistics and the same plan as one
 process on all the tokens."""
@@ -8,7 +8,7 @@ import socket
 import pytest
 import torch
 
-from rana import distributed
+from rana.compress import distributed
 from helpers import tiny_calibration, tiny_compress_config, tiny_model
 
 RUNS = (("rana", "float32"), ("rana-paper", "float32"), ("rana", "bfloat16"))
@@ -17,7 +17,7 @@ RUNS = (("rana", "float32"), ("rana-paper", "float32"), ("rana", "bfloat16"))
 def _run(out_path):
     """What both the single-process reference and each worker compute."""
     from rana.archs import decoder_layers, get_arch
-    from rana.calibrate import capture_first_layer_inputs, collect_inputs
+    from rana.compress.calibrate import capture_first_layer_inputs, collect_inputs
     from rana.compress import compress_model
 
     torch.set_num_threads(1)

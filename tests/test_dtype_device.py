@@ -1,5 +1,5 @@
 """Compression in every dtype users compress in (float32, bf16, fp16), and the placement
-contract (rana.placement): a layer's work happens on the compute device, activations cross
+contract (rana.compress.placement): a layer's work happens on the compute device, activations cross
 between the offload and the compute device in one place."""
 import copy
 
@@ -8,9 +8,9 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import rana.io
-from rana import placement
+from rana.compress import placement
 from rana.compress import compress_model
-from rana.config import METHODS
+from rana.compress.config import METHODS
 from helpers import tiny_calibration, tiny_compress_config, tiny_model
 
 HALF = {"bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -196,7 +196,7 @@ def test_cuda_compression_keeps_the_work_on_the_gpu(method, allocation, dtype):
 
 
 def test_unusable_devices_are_one_line_errors():
-    from rana.config import CompressConfig
+    from rana.compress import CompressConfig
 
     with pytest.raises(ValueError, match="is not a device"):
         CompressConfig(model="m", device="gpu0").validate()

@@ -127,9 +127,9 @@ def test_rank_contribution_histogram():
 def eval_setup(tmp_path_factory):
     """A tiny dense folder, a TEAL-compressed rana folder of it, and a small text file."""
     import rana.io
-    from rana.config import CompressConfig
+    from rana.compress import CompressConfig
     from rana.data import BUNDLED_CORPUS
-    from rana.loading import load_model
+    from rana.io.models import load_model
 
     root = tmp_path_factory.mktemp("eval")
     dense_dir = tiny_model_dir(root / "tiny")

@@ -25,8 +25,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 import rana.io as rio
 from helpers import byte_tokenizer, tiny_model
-from rana.compress import compress_model
-from rana.config import CompressConfig
+from rana.compress import CompressConfig, compress_model
 from rana.export import ExportError, check_sources, export, render_sources
 from rana.modules.laurel import LaurelConfig, LaurelResidual, apply_laurel
 
@@ -348,7 +347,7 @@ def adapt_like_rana(model: nn.Module, calib: torch.Tensor) -> None:
 
 @pytest.mark.slow
 def test_smollm2_export_matches(tmp_path):
-    from rana.loading import load_model
+    from rana.io.models import load_model
 
     try:
         model, tok, _ = load_model("smollm2-135m")

@@ -15,8 +15,7 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
-from rana.compress import compress_model
-from rana.config import CompressConfig
+from rana.compress import CompressConfig, compress_model
 from rana.data import DataError
 from rana.finetune import (CHECKPOINTS, FinetuneConfig, FinetuneError, NonFiniteLossError, Trainer,
                            adapter_linear_names, finetune, next_token_loss, resolve_lora_targets, sync_neuron_norms)

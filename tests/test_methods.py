@@ -5,12 +5,12 @@ import torch
 
 from rana.archs import get_arch
 from rana.compress import compress_model
-from rana.config import METHODS
+from rana.methods import METHODS
 from rana.math.masks import subsample_rows, threshold_for_keep_fraction
 from rana.methods import (Candidates, MemoryNeed, Method, Step, get_method, install_choice, names, register, sparse_choice,
                           summary, unregister, unsupported_reason)
 from rana.modules import InputSparseLinear
-from rana.offload import estimate_memory
+from rana.compress.memory import estimate_memory
 from helpers import tiny_calibration, tiny_compress_config, tiny_model
 
 BUILT_IN = ("rana", "rana-paper", "cats", "svd", "teal", "rana-contrib", "rana-mixed", "rana-wina")

@@ -1,4 +1,4 @@
-"""Models bigger than memory (rana.offload): layers streamed from safetensors one at a time give
+"""Models bigger than memory (rana.compress.streaming / residency / memory): layers streamed from safetensors one at a time give
 the same compressed model as an in-memory run; --max-memory is checked up front; and a ~600 MB
 checkpoint compresses under a 400 MB cap with peak RSS well under the model size (subprocess)."""
 import json
@@ -13,7 +13,9 @@ import torch
 
 from rana.compress import compress_model
 from rana.io import WEIGHTS_INDEX, load, save
-from rana.offload import MemoryBudgetError, disk_spill, estimate_memory, load_lazy
+from rana.compress.memory import MemoryBudgetError, estimate_memory
+from rana.compress.residency import disk_spill
+from rana.compress.streaming import load_lazy
 from rana.units import parse_memory
 from helpers import tiny_calibration, tiny_compress_config, tiny_model
 
@@ -54,13 +56,18 @@ def test_streamed_compression_equals_in_memory(arch, tmp_path):
     in_memory = compress_model(model, None, config, tiny_calibration())
     save(in_memory.model, None, tmp_path / "mem", plan=in_memory.plan)
 
-    lazy, _ = load_lazy(tmp_path / "src")
+    lazy, _, weights = load_lazy(tmp_path / "src")
     assert all(p.device.type == "meta" for p in lazy.get_submodule(get_layers_path(lazy)).parameters())
     streamed = compress_model(lazy, None, tiny_compress_config(method="rana-paper", flops=0.75,
-                                                               offload_dir=str(tmp_path / "off")), tiny_calibration())
+                                                               offload_dir=str(tmp_path / "off")), tiny_calibration(),
+                              lazy_weights=weights)
     assert streamed.plan["measured_flops"] == in_memory.plan["measured_flops"]
     assert streamed.plan["memory"]["weights_home"].startswith("disk")
-    save(streamed.model, None, tmp_path / "disk", plan=streamed.plan)
+    assert in_memory.offloaded is None and streamed.offloaded is not None
+    with pytest.raises(ValueError, match="offloaded=result.offloaded"):  # its layers are on disk, not in the model
+        save(streamed.model, None, tmp_path / "no-layers", plan=streamed.plan)
+    assert not (tmp_path / "no-layers").exists()
+    save(streamed.model, None, tmp_path / "disk", plan=streamed.plan, offloaded=streamed.offloaded)
     assert (tmp_path / "disk" / WEIGHTS_INDEX).exists()  # one shard per layer + the rest
 
     ids = torch.randint(0, 128, (2, 16))
@@ -121,17 +128,16 @@ WORKER = textwrap.dedent("""
     import torch
     torch.set_num_threads(1)
     from helpers import tiny_calibration
-    from rana.compress import compress_model
-    from rana.config import CompressConfig
+    from rana.compress import CompressConfig, compress_model
+    from rana.compress.streaming import load_lazy
     from rana.io import save
-    from rana.offload import load_lazy
 
     def status(field):
         for line in open("/proc/self/status"):
             if line.startswith(field):
                 return int(line.split()[1]) * 1024
 
-    model, _ = load_lazy({src!r})
+    model, _, weights = load_lazy({src!r})
     before = status("VmRSS")
     try:  # reset the peak-RSS mark to the current RSS (Linux >= 4.0)
         open("/proc/self/clear_refs", "w").write("5")
@@ -139,8 +145,9 @@ WORKER = textwrap.dedent("""
         pass
     config = CompressConfig(model="big", method="teal", flops=0.8, calib_tokens=1024, seq_len=32, batch_size=8,
                             max_memory="400MB", offload_dir={off!r})
-    result = compress_model(model, None, config, tiny_calibration(n_fit=28, n_heldout=4, vocab=256))
-    save(result.model, None, {out!r}, plan=result.plan)
+    result = compress_model(model, None, config, tiny_calibration(n_fit=28, n_heldout=4, vocab=256),
+                            lazy_weights=weights)
+    save(result.model, None, {out!r}, plan=result.plan, offloaded=result.offloaded)
     print(json.dumps({{"rss_before": before, "peak": status("VmHWM"), "flops": result.plan["measured_flops"],
                       "estimate": result.plan["memory"]["estimate"]["total_bytes"]}}))
 """)

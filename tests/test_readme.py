@@ -124,7 +124,7 @@ def test_allocation_and_recipe_are_compress_options():
 
 
 def test_methods_table_names_real_methods():
-    from rana.config import METHODS
+    from rana.compress.config import METHODS
 
     names = [re.match(r"`([a-z-]+)`", cells[0]).group(1) for cells in table_rows(section("Methods"))]
     assert names and set(names) == set(METHODS), (names, METHODS)

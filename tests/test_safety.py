@@ -27,8 +27,8 @@ from typer.testing import CliRunner
 import rana.io as rio
 from helpers import byte_tokenizer, tiny_model, tiny_model_dir
 from rana.cli.app import app
-from rana.loading import ModelLoadError, load_model
-from rana.paths import UnsafeOutputError, check_output, remove_stale_temps, temp_prefix
+from rana.io.models import ModelLoadError, load_model
+from rana.io.paths import UnsafeOutputError, check_output, remove_stale_temps, temp_prefix
 
 runner = CliRunner()
 SMALL = ["--calib-tokens", "1024", "--seq-len", "64", "--batch-size", "4"]
@@ -58,8 +58,7 @@ def assert_one_line_error(res, needle: str) -> None:
 
 
 def make_rana_folder(path: Path, method: str = "teal", tokenizer: bool = True) -> Path:
-    from rana.compress import compress_model
-    from rana.config import CompressConfig
+    from rana.compress import CompressConfig, compress_model
 
     model = tiny_model("llama", vocab_size=257)
     ids = torch.randint(0, 257, (20, 32), generator=torch.Generator().manual_seed(0))

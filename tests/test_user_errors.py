@@ -180,12 +180,12 @@ def test_full_disk_while_writing_weights_is_one_line_and_leaves_nothing(work, tm
     mounted = os.geteuid() == 0 and subprocess.run(
         ["mount", "-t", "tmpfs", "-o", "size=64k", "tmpfs", str(disk)], capture_output=True).returncode == 0
     if not mounted:
-        import rana.io
+        import rana.io.folder
 
         def full(*a, **k):
             raise OSError(errno.ENOSPC, "No space left on device", str(disk / "o" / "model.safetensors"))
 
-        monkeypatch.setattr(rana.io, "save_file", full)
+        monkeypatch.setattr(rana.io.folder, "save_file", full)
     try:
         res = runner.invoke(app, ["compress", str(work / "tiny"), "--flops", "0.8", "--out", str(disk / "o"),
                                   "--dataset", str(work / "calib.txt"), *SMALL])
@@ -231,7 +231,7 @@ def test_compress_refuses_absurd_values(work, tmp_path, no_model_load, args, nee
 
 
 def test_fit_token_minimum_is_part_of_config_validation():
-    from rana.config import MIN_FIT_TOKENS, CompressConfig, min_calib_tokens
+    from rana.compress.config import MIN_FIT_TOKENS, CompressConfig, min_calib_tokens
 
     with pytest.raises(ValueError, match="too few"):
         CompressConfig(model="m", calib_tokens=16, seq_len=8).validate()

@@ -13,7 +13,7 @@ import torch.nn as nn
 from transformers import AutoTokenizer
 
 from .. import io as rana_io
-from ..loading import load_model, resolve
+from ..io.models import load_model, resolve
 from ..units import DTYPES
 
 

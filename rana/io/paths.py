@@ -25,6 +25,10 @@ class UnsafeOutputError(ValueError):
     """An output or work folder that would overwrite or overlap an input (user-facing)."""
 
 
+class OutputExistsError(ValueError):
+    """The output folder exists and --overwrite was not given (user-facing)."""
+
+
 # files / folders that only rana writes, one set per kind of output
 _SIGNATURES = {
     "rana folder": ("rana_config.json",),
@@ -63,21 +67,6 @@ def local_inputs(*references: str | os.PathLike | None) -> list[Path]:
         if head != str(ref) and Path(os.path.expanduser(head)).exists():
             found.append(Path(os.path.expanduser(head)))
     return found
-
-
-def model_inputs(reference: str | None) -> list[Path]:
-    """Local files of a model reference (alias → the package's GGUF file, folder, .gguf file)."""
-    if reference is None:
-        return []
-    try:
-        from .loading import resolve
-
-        src = resolve(reference)
-    except Exception:  # noqa: BLE001 - unknown references are reported by the loader itself
-        return local_inputs(reference)
-    if src.gguf_file:
-        return [Path(src.path) / src.gguf_file]
-    return local_inputs(src.path) if Path(src.path).exists() else []
 
 
 def rana_output_kind(path: str | os.PathLike) -> str | None:
@@ -124,8 +113,6 @@ def check_output(out: str | os.PathLike, inputs: Iterable[str | os.PathLike] = (
         if resumable:
             raise UnsafeOutputError(f"{option} '{out}' exists and is not a {resumable[0]} (nor empty); rana writes only "
                                     f"into its own folders: choose a new or empty {option}")
-        from .io import OutputExistsError
-
         raise OutputExistsError(f"output folder '{out}' already exists; choose another {option} or pass --overwrite")
     if not entries:
         return  # an empty folder: nothing to lose
@@ -233,5 +220,5 @@ def written_files(folder: Path) -> str:
     return ", ".join(names)
 
 
-__all__ = ["UnsafeOutputError", "overlaps", "local_inputs", "model_inputs", "rana_output_kind", "check_no_overlap",
+__all__ = ["UnsafeOutputError", "OutputExistsError", "overlaps", "local_inputs", "rana_output_kind", "check_no_overlap",
            "check_output", "check_output_file", "check_work_dir", "temp_prefix", "remove_stale_temps", "apply_umask", "written_files"]

@@ -14,8 +14,8 @@ import torch
 import torch.nn as nn
 
 from . import distributed, placement
-from .archs import ArchSpec, decoder_layers
-from .methods.base import InputStats
+from ..archs import ArchSpec, decoder_layers
+from ..methods.base import InputStats
 
 
 class CalibrationError(ValueError):
@@ -49,7 +49,7 @@ class LayerKwargs(dict):
     those of every layer: sliding-window and global layers get different masks (Gemma 2/3) and
     rotary embeddings (Gemma 3), so `advance()` gives the next layer's. Layers of one type share
     the same dict. `batch_id` / `role` place the batch in the global calibration set when it is
-    split across processes (`rana.distributed`; role None: single process)."""
+    split across processes (`rana.compress.distributed`; role None: single process)."""
 
     def __init__(self, per_layer: list[dict], layer: int = 0, batch_id: int | None = None, role: str | None = None):
         super().__init__(per_layer[layer])
@@ -96,7 +96,7 @@ def capture_first_layer_inputs(model: nn.Module, spec: ArchSpec, sequences: torc
     runs), keeping layer 0's inputs and every layer's kwargs. The decoder layers are never
     computed, so their weights may be anywhere (offload device, or not loaded at all).
 
-    Under `rana.distributed`, each process keeps only its share of the batches."""
+    Under `rana.compress.distributed`, each process keeps only its share of the batches."""
     layers = decoder_layers(model, spec)
     n_layers = len(layers)
     record: dict = {}
@@ -162,8 +162,7 @@ def collect_inputs(
     device: torch.device,
     stop_at: nn.Module | None = None,
     second_moment: tuple[str, ...] = (),
-    fit_sample_tokens: int = 4096,
-    threshold_fraction: float = 0.15,
+    threshold_fraction: float = distributed.THRESHOLD_FRACTION,
     layer_index: int = 0,
 ) -> dict[str, InputStats]:
     """Run `layer` on fit and held-aside tokens, recording the inputs of each target module.

@@ -28,7 +28,10 @@ from typing import Iterable
 import torch
 import torch.distributed as dist
 
-# The share of fit batches that feed thresholds only (collect_inputs' default).
+from ..accounting import metered_modules
+
+# The share of the fit batches (the last ones) that feed threshold samples only; the rest feed the
+# second moments. One value for `collect_inputs`, the batch split across processes and the memory estimate.
 THRESHOLD_FRACTION = 0.15
 
 
@@ -85,7 +88,7 @@ def global_roles(n_batches: int, threshold_fraction: float = THRESHOLD_FRACTION)
 def local_batches(n_batches: int, threshold_fraction: float = THRESHOLD_FRACTION) -> list[tuple[int, str | None]]:
     """(global batch index, role) of the batches this process handles.
 
-    One process: every batch, role None (collect_inputs then splits them itself, as before).
+    One process: every batch, role None (collect_inputs splits moment and sample batches itself).
     N processes: moment and sample batches are dealt round-robin separately (so each process gets
     its share of both), and each process's list interleaves the two kinds, so any prefix of it
     (e.g. a profiling subset) still holds both."""
@@ -170,7 +173,7 @@ def reduce_stats(stats: dict, row_ids: dict, dims: dict[str, int | None], second
                  device: torch.device | str = "cpu") -> None:
     """Pool `collect_inputs` statistics across processes in place (see the module docstring).
     `row_ids[name]` = {"fit": [...], "eval": [...]}: the global batch id of each row chunk.
-    The pooled statistics end on `device`, the compute device (rana.placement)."""
+    The pooled statistics end on `device`, the compute device (rana.compress.placement)."""
     for name in sorted(stats):
         s = stats[name]
         if name in second_moment:
@@ -194,8 +197,6 @@ def sync_meters(module: torch.nn.Module) -> None:
     """Sum every MAC meter in `module` over processes (all processes call this for the same layer)."""
     if not active():
         return
-    from .accounting import metered_modules
-
     meters = list(metered_modules(module).values())
     if not meters:
         return

@@ -1,5 +1,4 @@
-"""The rana folder format: HF config + tokenizer, one safetensors file, `rana_config.json`
-(every adapter's type, shape, rank, threshold) and `plan.json`. Written atomically.
+"""Writing and reading rana folders (the format: `rana.io.format`). Written atomically.
 
 `load(dir)` rebuilds the stock architecture from config.json, swaps in empty adapters of the
 recorded shapes and loads the weights, so no compression code runs at load time.
@@ -12,38 +11,32 @@ import os
 import shutil
 import tempfile
 from contextlib import contextmanager
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Iterator
 
 import torch
 import torch.nn as nn
+from safetensors import safe_open
 from safetensors.torch import load_file, save_file
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
-from .archs import get_arch, set_submodule
+from ..archs import ArchSpec, get_arch
+from ..modules import NeuronThresholdLinear
+from ..modules.laurel import LaurelConfig, apply_laurel
 from .card import write_folder_card
-from .config import FORMAT_VERSION, write_json
-from .modules import (CatsActivation, InputSparseLinear, NeuronThresholdLinear, RankAdapterLinear, RankSliceLinear,
-                      SharedRankCode)
-from .modules.common import column_major_linear
-
-WEIGHTS = "model.safetensors"
-WEIGHTS_INDEX = "model.safetensors.index.json"  # sharded layout, written for models compressed from disk
-RANA_CONFIG = "rana_config.json"
-PLAN = "plan.json"
-
-
-class OutputExistsError(ValueError):
-    """The output folder exists and --overwrite was not given (user-facing)."""
+from .format import (FORMAT_VERSION, PLAN, RANA_CONFIG, WEIGHTS, WEIGHTS_INDEX, ModelLoadError, adapter_specs,
+                     install_empty_adapters, threshold_from_json, tied_keys, write_json)
+from .paths import OutputExistsError, apply_umask, check_output, remove_stale_temps, temp_prefix
+from .weightfiles import check_safetensors_folder
 
 
 @contextmanager
 def atomic_dir(out: Path, *, overwrite: bool = False) -> Iterator[Path]:
     """Yield a temp folder beside `out`; on success rename it into place (nothing half-written).
 
-    `overwrite` replaces only an empty folder or one rana wrote (rana.paths.check_output); temp
+    `overwrite` replaces only an empty folder or one rana wrote (rana.io.paths.check_output); temp
     folders left beside `out` by killed runs are removed first; the result gets the user's umask."""
-    from .paths import apply_umask, check_output, remove_stale_temps, temp_prefix
-
     out = Path(out)
     if out.exists() and not overwrite:
         raise OutputExistsError(f"output folder '{out}' already exists; choose another --out or pass --overwrite")
@@ -66,86 +59,33 @@ def atomic_dir(out: Path, *, overwrite: bool = False) -> Iterator[Path]:
         raise
 
 
-def _f(x: float) -> float | str | None:
-    """A threshold as JSON: null for -inf (everything active), "inf" for +inf (nothing active)."""
-    if x == math.inf:
-        return "inf"
-    return None if math.isinf(x) else x
-
-
-def adapter_specs(model: nn.Module) -> list[dict]:
-    """A JSON description of every adapter module, enough to rebuild empty ones."""
-    specs = []
-    for name, m in model.named_modules():
-        if isinstance(m, RankAdapterLinear):
-            specs.append({"path": name, "type": "rank", "in": m.in_features, "out": m.out_features, "rank": m.rank,
-                          "bias": m.A.bias is not None, "threshold": _f(float(m.threshold))})
-        elif isinstance(m, SharedRankCode):
-            specs.append({"path": name, "type": "shared_code", "in": m.in_features, "out": m.out_features,
-                          "rank": m.rank, "consumers": m.consumers, "threshold": _f(float(m.threshold))})
-        elif isinstance(m, RankSliceLinear):
-            code_name = next(n for n, c in model.named_modules() if c is m._code())
-            specs.append({"path": name, "type": "rank_slice", "out": m.out_features, "rank": m.A.in_features,
-                          "bias": m.A.bias is not None, "code": code_name})
-        elif isinstance(m, NeuronThresholdLinear):
-            specs.append({"path": name, "type": "neuron", "in": m.in_features, "out": m.out_features,
-                          "bias": m.linear.bias is not None, "threshold": _f(float(m.threshold))})
-        elif isinstance(m, InputSparseLinear):
-            specs.append({"path": name, "type": "input_sparse", "in": m.in_features, "out": m.out_features,
-                          "bias": m.linear.bias is not None, "threshold": _f(float(m.threshold))})
-        elif isinstance(m, CatsActivation):
-            specs.append({"path": name, "type": "cats", "hidden": m.hidden, "intermediate": m.intermediate,
-                          "threshold": _f(float(m.threshold))})
-    return specs
-
-
-def install_empty_adapters(model: nn.Module, specs: list[dict], dtype: torch.dtype) -> None:
-    """Swap in adapters of the recorded shapes (weights to be loaded afterwards)."""
-    z = lambda *shape: torch.zeros(*shape, dtype=dtype)  # noqa: E731
-    codes = {}
-    for s in sorted(specs, key=lambda s: s["type"] != "shared_code"):  # codes before their slices
-        t = s.get("threshold")
-        t = -math.inf if t is None else float(t)
-        if s["type"] == "rank":
-            m = RankAdapterLinear(z(s["out"], s["rank"]), z(s["rank"], s["in"]), z(s["out"]) if s["bias"] else None, t)
-        elif s["type"] == "shared_code":
-            m = codes[s["path"]] = SharedRankCode(z(s["rank"], s["in"]), t, s["out"], s["consumers"])
-        elif s["type"] == "rank_slice":
-            m = RankSliceLinear(z(s["out"], s["rank"]), z(s["out"]) if s["bias"] else None, codes[s["code"]])
-        elif s["type"] == "neuron":
-            m = NeuronThresholdLinear(z(s["out"], s["in"]), z(s["out"]) if s["bias"] else None, t)
-        elif s["type"] == "input_sparse":
-            m = InputSparseLinear(z(s["out"], s["in"]), z(s["out"]) if s["bias"] else None, t)
-        elif s["type"] == "cats":
-            m = CatsActivation(model.get_submodule(s["path"]), t, s["hidden"], s["intermediate"])
-        else:
-            raise ValueError(f"unknown adapter type '{s['type']}' in {RANA_CONFIG}")
-        set_submodule(model, s["path"], m)
-
-
 def _state_dict_for_saving(model: nn.Module) -> dict[str, torch.Tensor]:
+    """The model's tensors, without the output embedding when it is the input embedding's tensor
+    (`load` ties it back)."""
     sd = model.state_dict()
-    if getattr(model.config, "tie_word_embeddings", False):
-        out_emb = model.get_output_embeddings()
-        tied = [k for k, v in sd.items() if out_emb is not None and v.device.type != "meta"
-                and v.data_ptr() == out_emb.weight.data_ptr() and k.endswith("weight")
-                and k.startswith(get_arch(model.config).lm_head)]
-        for k in tied:
+    out_emb = model.get_output_embeddings()
+    for k in tied_keys(model):
+        v = sd.get(k)
+        if v is not None and out_emb is not None and v.device.type != "meta" and v.data_ptr() == out_emb.weight.data_ptr():
             sd.pop(k)
     return {k: v.detach().contiguous() for k, v in sd.items()}
 
 
 def save(model: nn.Module, tokenizer, out: Path, *, plan: dict | None = None, extra: dict | None = None,
-         overwrite: bool = False) -> Path:
-    """Write a compressed model as a rana folder (atomically)."""
+         overwrite: bool = False, offloaded: OffloadedLayers | None = None) -> Path:
+    """Write a compressed model as a rana folder (atomically). `offloaded`: the decoder layers a
+    streamed compression wrote to disk one by one (`CompressResult.offloaded`); the folder is then
+    written sharded, one file per layer plus the rest."""
     out = Path(out)
+    if offloaded is None and any(t.device.type == "meta" for t in model.state_dict().values()):
+        raise ValueError("the model's decoder layers are on disk (a streamed compression): pass "
+                         "offloaded=result.offloaded to save them")
     with atomic_dir(out, overwrite=overwrite) as tmp:
         model.config.save_pretrained(tmp)
         if tokenizer is not None:
             tokenizer.save_pretrained(tmp)
         if getattr(model, "generation_config", None) is not None:
             model.generation_config.save_pretrained(tmp)
-        offloaded = getattr(model, "_rana_offloaded", None)  # layers compressed to disk one by one (rana.offload)
         if offloaded is not None:
             offloaded.write_weights(tmp, _state_dict_for_saving(model))
             adapters = offloaded.adapter_specs()
@@ -163,9 +103,6 @@ def save(model: nn.Module, tokenizer, out: Path, *, plan: dict | None = None, ex
 def _load_weights(path: Path) -> dict[str, torch.Tensor]:
     """One `model.safetensors`, or the shards named by `model.safetensors.index.json` (each file's
     index entry and header checked first: nothing outside the folder, nothing truncated)."""
-    from .loading import ModelLoadError
-    from .weightfiles import check_safetensors_folder
-
     files = check_safetensors_folder(path, error=ModelLoadError)
     if not files:
         raise ModelLoadError(f"'{path}' has no {WEIGHTS} (nor {WEIGHTS_INDEX}); the rana folder is incomplete")
@@ -186,21 +123,8 @@ _ADAPTER_FIELDS = {  # required integer fields (>= 1) of each adapter type in ra
 _DTYPE_NAMES = ("float32", "bfloat16", "float16")
 
 
-def _threshold_value(t) -> float:
-    """The threshold a rana_config.json entry records (null: -inf, "inf": +inf); ValueError otherwise."""
-    if t is None:
-        return -math.inf
-    if t == "inf":
-        return math.inf
-    if isinstance(t, bool) or not isinstance(t, (int, float)) or not math.isfinite(t):
-        raise ValueError(f"threshold {t!r} is not a finite number (null means -inf, \"inf\" means +inf)")
-    return float(t)
-
-
 def read_meta(path: Path) -> dict:
     """rana_config.json of a rana folder, its schema checked (one line naming the file otherwise)."""
-    from .loading import ModelLoadError
-
     file = Path(path) / RANA_CONFIG
     try:
         meta = json.loads(file.read_text(encoding="utf-8"))
@@ -231,7 +155,7 @@ def read_meta(path: Path) -> dict:
                 raise ValueError(f"adapter '{a['path']}': its code {a.get('code')!r} is not a shared_code adapter")
             if kind != "rank_slice":
                 try:
-                    _threshold_value(a.get("threshold"))
+                    threshold_from_json(a.get("threshold"))
                 except ValueError as e:
                     raise ValueError(f"adapter '{a['path']}': {e}") from None
     except OSError as e:
@@ -243,8 +167,6 @@ def read_meta(path: Path) -> dict:
 
 def read_plan(path: Path | str) -> dict | None:
     """plan.json of a rana folder (None when absent); one line naming the file when unreadable."""
-    from .loading import ModelLoadError
-
     file = Path(path) / PLAN
     if not file.is_file():
         return None
@@ -260,9 +182,6 @@ def read_plan(path: Path | str) -> dict | None:
 def check_folder(path: Path | str) -> None:
     """The cheap part of `load`'s checks (rana_config.json schema, weight index and file headers),
     for commands that validate every input before the work starts."""
-    from .loading import ModelLoadError
-    from .weightfiles import check_safetensors_folder
-
     read_meta(Path(path))
     read_plan(path)
     config = Path(path) / "config.json"
@@ -278,13 +197,11 @@ def check_folder(path: Path | str) -> None:
 def check_thresholds(model: nn.Module, specs: list[dict], path: Path) -> None:
     """Every loaded threshold is a number and the one rana_config.json records (a NaN masks
     nothing or everything without a word; a changed one is not the model that was measured)."""
-    from .loading import ModelLoadError
-
     for s in specs:
         if s["type"] == "rank_slice":
             continue
         buf = model.get_submodule(s["path"]).get_buffer("threshold")
-        got, want = float(buf), _threshold_value(s.get("threshold"))
+        got, want = float(buf), threshold_from_json(s.get("threshold"))
         if math.isnan(got):
             raise ModelLoadError(f"the threshold of '{s['path']}' in '{path}' weights is NaN; the file is corrupt")
         same = got == want if math.isinf(got) or math.isinf(want) else math.isclose(got, want, rel_tol=1e-2, abs_tol=1e-6)
@@ -299,10 +216,6 @@ def is_rana_dir(path: Path | str) -> bool:
 
 def load(path: Path | str, *, device: str = "cpu", dtype: torch.dtype | None = None):
     """(model, tokenizer) from a rana folder."""
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
-
-    from .loading import ModelLoadError
-
     path = Path(path)
     if not is_rana_dir(path):
         raise ValueError(f"'{path}' is not a rana folder (no {RANA_CONFIG}); produce one with `rana compress`")
@@ -320,7 +233,6 @@ def load(path: Path | str, *, device: str = "cpu", dtype: torch.dtype | None = N
         raise ModelLoadError(f"'{path / RANA_CONFIG}' does not fit the model in config.json "
                              f"({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})") from None
     if meta.get("laurel"):
-        from .modules.laurel import LaurelConfig, apply_laurel
         try:
             laurel = LaurelConfig.from_dict(meta["laurel"])
         except (AttributeError, KeyError, TypeError, ValueError) as e:
@@ -348,5 +260,40 @@ def load(path: Path | str, *, device: str = "cpu", dtype: torch.dtype | None = N
     return model.to(device), tokenizer
 
 
-__all__ = ["save", "load", "check_folder", "read_meta", "read_plan", "atomic_dir", "adapter_specs", "install_empty_adapters", "is_rana_dir",
-           "OutputExistsError", "column_major_linear"]
+@dataclass
+class OffloadedLayers:
+    """Compressed decoder layers written one file per layer by a streamed compression
+    (`rana.compress.residency`); `save(..., offloaded=...)` writes them as a sharded folder."""
+
+    spec: ArchSpec
+    folder: Path
+    layers: dict[int, tuple[str, list[dict]]] = field(default_factory=dict)
+
+    def adapter_specs(self) -> list[dict]:
+        return [s for idx in sorted(self.layers) for s in self.layers[idx][1]]
+
+    def write_weights(self, out: Path, rest: dict[str, torch.Tensor]) -> None:
+        """Layer files (hard-linked or copied) + `rest` (everything outside the decoder stack) + index."""
+        out = Path(out)
+        prefix = self.spec.layers + "."
+        rest = {k: v for k, v in rest.items() if not k.startswith(prefix)}
+        n = len(self.layers) + 1
+        weight_map = {}
+        rest_name = f"model-{n:05d}-of-{n:05d}.safetensors"
+        save_file(rest, str(out / rest_name), metadata={"format": "pt"})
+        weight_map.update({k: rest_name for k in rest})
+        for i, idx in enumerate(sorted(self.layers), start=1):
+            src = self.folder / self.layers[idx][0]
+            name = f"model-{i:05d}-of-{n:05d}.safetensors"
+            try:
+                os.link(src, out / name)
+            except OSError:
+                shutil.copyfile(src, out / name)
+            with safe_open(str(src), framework="pt") as st:
+                weight_map.update({k: name for k in st.keys()})
+        (out / WEIGHTS_INDEX).write_text(json.dumps({"metadata": {"format": "rana-sharded"}, "weight_map": weight_map},
+                                                    indent=1))
+
+
+__all__ = ["save", "load", "check_folder", "read_meta", "read_plan", "check_thresholds", "atomic_dir", "is_rana_dir",
+           "OutputExistsError", "OffloadedLayers"]

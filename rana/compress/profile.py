@@ -17,10 +17,10 @@ from dataclasses import dataclass
 import torch
 import torch.nn as nn
 
-from .archs import ArchSpec, decoder_layers
+from ..archs import ArchSpec, decoder_layers
 from .calibrate import LayerInputs, call_layer, collect_inputs, run_layer
-from .math.allocate import ErrorCurve, allocate
-from .methods import LayerContext, Method
+from ..math.allocate import ErrorCurve, allocate
+from ..methods import LayerContext, Method
 
 PROFILE_MULTIPLIERS = (0.5, 0.75, 1.0, 1.35)
 
@@ -79,7 +79,7 @@ def profile_and_allocate(model: nn.Module, spec: ArchSpec, method: Method, fit: 
         residency.bring(idx, layer)
         targets = {r: layer.get_submodule(spec.role_path(r)) for r in roles}
         stats = collect_inputs(layer, fit, held, targets, device=device, stop_at=None, second_moment=moments,
-                               fit_sample_tokens=fit_sample_tokens, layer_index=idx)
+                               layer_index=idx)
         reference = _layer_outputs(layer, held, device)
         layer_curves = {}
         for name in dict.fromkeys(step.block for step in method.steps):

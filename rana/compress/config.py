@@ -1,13 +1,14 @@
-"""Versioned, JSON round-trippable settings shared by the CLI, plan.json and saved models."""
+"""`CompressConfig`: the settings of one compression, versioned and JSON round-trippable (the CLI,
+plan.json's `config`, rana_config.json's `compress_config` and recipe.json all hold it)."""
 from __future__ import annotations
 
-import json
-from dataclasses import asdict, dataclass, fields
-from pathlib import Path
+from dataclasses import dataclass
 
-from .methods import METHODS  # the registry's names, current when read
+from ..checks import check_device
+from ..io.format import CompressSettings
+from ..units import parse_memory
 
-FORMAT_VERSION = 1
+from ..methods import METHODS  # the registry names, current when read
 
 
 # Thresholds are quantiles of activation statistics: fewer fitting tokens than this give noisy,
@@ -25,28 +26,9 @@ def min_calib_tokens(seq_len: int, heldout_fraction: float = 0.125) -> int:
 
 
 @dataclass
-class CompressConfig:
-    model: str
-    flops: float = 0.58
-    method: str = "rana"
-    dataset: str | None = None
-    dataset_config: str | None = None
-    split: str = "train"
-    text_column: str = "text"
-    calib_tokens: int = 32768
-    seq_len: int = 512
-    heldout_fraction: float = 0.125
-    batch_size: int = 8
-    dtype: str = "float32"
-    device: str = "cpu"
-    offload_device: str = "cpu"
-    grid_step: float = 0.125
-    fit_sample_tokens: int = 1024
-    search_tokens: int = 1024
-    seed: int = 0
-    allocation: str = "uniform"  # "uniform" (paper: same fraction everywhere) or "global" (measured sensitivity)
-    max_memory: str | None = None  # cap on compute-device memory, e.g. "2GB" (rana.offload)
-    offload_dir: str | None = None  # stream layers from disk; compressed layers + activations kept here
+class CompressConfig(CompressSettings):
+    """The settings of one compression (fields, defaults and JSON form: `rana.io.format.CompressSettings`,
+    which folders and recipes record), checked by `validate` before any work."""
 
     def validate(self) -> None:
         if not 0.0 < self.flops <= 1.0:
@@ -56,8 +38,6 @@ class CompressConfig:
         if self.allocation not in ("uniform", "global"):
             raise ValueError(f"unknown allocation '{self.allocation}' (choose uniform or global)")
         if self.max_memory is not None:
-            from .units import parse_memory
-
             parse_memory(self.max_memory)
         if self.seq_len < 8:
             raise ValueError(f"--seq-len must be at least 8, got {self.seq_len}")
@@ -79,19 +59,5 @@ class CompressConfig:
                 raise ValueError(f"--{name.replace('_', '-')} must be a positive integer, got {getattr(self, name)}")
         if not 0.0 < self.grid_step <= 1.0:
             raise ValueError(f"--grid-step must be in (0, 1] (a share of the MLP budget), got {self.grid_step}")
-        from .checks import check_device
-
         check_device(self.device)
         check_device(self.offload_device)
-
-    def to_dict(self) -> dict:
-        return {"format_version": FORMAT_VERSION, **asdict(self)}
-
-    @classmethod
-    def from_dict(cls, d: dict) -> "CompressConfig":
-        names = {f.name for f in fields(cls)}
-        return cls(**{k: v for k, v in d.items() if k in names})
-
-
-def write_json(path: Path, obj) -> None:
-    path.write_text(json.dumps(obj, indent=2, default=float) + "\n")

@@ -1,0 +1,162 @@
+"""The rana folder format: file names, the format version, the adapter descriptions in
+`rana_config.json` (enough to rebuild empty adapters of the recorded shapes) and the one JSON
+writer every rana output uses (atomic: a file is complete or absent).
+
+A rana folder holds the HF config + tokenizer, `model.safetensors` (or shards named by
+`model.safetensors.index.json`, for models compressed from disk), `rana_config.json` (every
+adapter's type, shape, rank, threshold) and `plan.json`.
+"""
+from __future__ import annotations
+
+import json
+import math
+import os
+from dataclasses import asdict, dataclass, fields
+from pathlib import Path
+
+import torch
+import torch.nn as nn
+
+from ..archs import set_submodule
+from ..modules import (CatsActivation, InputSparseLinear, NeuronThresholdLinear, RankAdapterLinear, RankSliceLinear,
+                       SharedRankCode)
+
+FORMAT_VERSION = 1
+WEIGHTS = "model.safetensors"
+WEIGHTS_INDEX = "model.safetensors.index.json"  # sharded layout, written for models compressed from disk
+RANA_CONFIG = "rana_config.json"
+PLAN = "plan.json"
+
+
+class ModelLoadError(ValueError):
+    """A model reference or folder that cannot be resolved or loaded (user-facing)."""
+
+
+@dataclass
+class CompressSettings:
+    """What one compression was run with, as plan.json (`config`), rana_config.json
+    (`compress_config`) and recipe.json record it; `rana.compress.CompressConfig` adds the checks."""
+
+    model: str
+    flops: float = 0.58
+    method: str = "rana"
+    dataset: str | None = None
+    dataset_config: str | None = None
+    split: str = "train"
+    text_column: str = "text"
+    calib_tokens: int = 32768
+    seq_len: int = 512
+    heldout_fraction: float = 0.125
+    batch_size: int = 8
+    dtype: str = "float32"
+    device: str = "cpu"
+    offload_device: str = "cpu"
+    grid_step: float = 0.125
+    fit_sample_tokens: int = 1024
+    search_tokens: int = 1024
+    seed: int = 0
+    allocation: str = "uniform"  # "uniform" (paper: same fraction everywhere) or "global" (measured sensitivity)
+    max_memory: str | None = None  # cap on compute-device memory, e.g. "2GB" (rana.compress.memory)
+    offload_dir: str | None = None  # stream layers from disk; compressed layers + activations kept here
+
+    def to_dict(self) -> dict:
+        return {"format_version": FORMAT_VERSION, **asdict(self)}
+
+    @classmethod
+    def from_dict(cls, d: dict):
+        names = {f.name for f in fields(cls)}
+        return cls(**{k: v for k, v in d.items() if k in names})
+
+
+def write_json(path: Path, obj) -> None:
+    """`obj` as indented JSON (numbers rana keeps as tensors or numpy scalars as floats), written
+    to a temp file beside `path` and renamed over it."""
+    path = Path(path)
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    tmp.write_text(json.dumps(obj, indent=2, default=float) + "\n")
+    os.replace(tmp, path)
+
+
+def threshold_to_json(x: float) -> float | str | None:
+    """A threshold as JSON: null for -inf (everything active), "inf" for +inf (nothing active)."""
+    if x == math.inf:
+        return "inf"
+    return None if math.isinf(x) else x
+
+
+def threshold_from_json(t) -> float:
+    """The threshold a rana_config.json entry records (null: -inf, "inf": +inf); ValueError otherwise."""
+    if t is None:
+        return -math.inf
+    if t == "inf":
+        return math.inf
+    if isinstance(t, bool) or not isinstance(t, (int, float)) or not math.isfinite(t):
+        raise ValueError(f"threshold {t!r} is not a finite number (null means -inf, \"inf\" means +inf)")
+    return float(t)
+
+
+def adapter_specs(model: nn.Module) -> list[dict]:
+    """A JSON description of every adapter module, enough to rebuild empty ones."""
+    f = threshold_to_json
+    specs = []
+    for name, m in model.named_modules():
+        if isinstance(m, RankAdapterLinear):
+            specs.append({"path": name, "type": "rank", "in": m.in_features, "out": m.out_features, "rank": m.rank,
+                          "bias": m.A.bias is not None, "threshold": f(float(m.threshold))})
+        elif isinstance(m, SharedRankCode):
+            specs.append({"path": name, "type": "shared_code", "in": m.in_features, "out": m.out_features,
+                          "rank": m.rank, "consumers": m.consumers, "threshold": f(float(m.threshold))})
+        elif isinstance(m, RankSliceLinear):
+            code_name = next(n for n, c in model.named_modules() if c is m._code())
+            specs.append({"path": name, "type": "rank_slice", "out": m.out_features, "rank": m.A.in_features,
+                          "bias": m.A.bias is not None, "code": code_name})
+        elif isinstance(m, NeuronThresholdLinear):
+            specs.append({"path": name, "type": "neuron", "in": m.in_features, "out": m.out_features,
+                          "bias": m.linear.bias is not None, "threshold": f(float(m.threshold))})
+        elif isinstance(m, InputSparseLinear):
+            specs.append({"path": name, "type": "input_sparse", "in": m.in_features, "out": m.out_features,
+                          "bias": m.linear.bias is not None, "threshold": f(float(m.threshold))})
+        elif isinstance(m, CatsActivation):
+            specs.append({"path": name, "type": "cats", "hidden": m.hidden, "intermediate": m.intermediate,
+                          "threshold": f(float(m.threshold))})
+    return specs
+
+
+def install_empty_adapters(model: nn.Module, specs: list[dict], dtype: torch.dtype) -> None:
+    """Swap in adapters of the recorded shapes (weights to be loaded afterwards)."""
+    z = lambda *shape: torch.zeros(*shape, dtype=dtype)  # noqa: E731
+    codes = {}
+    for s in sorted(specs, key=lambda s: s["type"] != "shared_code"):  # codes before their slices
+        t = s.get("threshold")
+        t = -math.inf if t is None else float(t)
+        if s["type"] == "rank":
+            m = RankAdapterLinear(z(s["out"], s["rank"]), z(s["rank"], s["in"]), z(s["out"]) if s["bias"] else None, t)
+        elif s["type"] == "shared_code":
+            m = codes[s["path"]] = SharedRankCode(z(s["rank"], s["in"]), t, s["out"], s["consumers"])
+        elif s["type"] == "rank_slice":
+            m = RankSliceLinear(z(s["out"], s["rank"]), z(s["out"]) if s["bias"] else None, codes[s["code"]])
+        elif s["type"] == "neuron":
+            m = NeuronThresholdLinear(z(s["out"], s["in"]), z(s["out"]) if s["bias"] else None, t)
+        elif s["type"] == "input_sparse":
+            m = InputSparseLinear(z(s["out"], s["in"]), z(s["out"]) if s["bias"] else None, t)
+        elif s["type"] == "cats":
+            m = CatsActivation(model.get_submodule(s["path"]), t, s["hidden"], s["intermediate"])
+        else:
+            raise ValueError(f"unknown adapter type '{s['type']}' in {RANA_CONFIG}")
+        set_submodule(model, s["path"], m)
+
+
+def tied_keys(model: nn.Module) -> set[str]:
+    """Parameter names that `tie_weights()` fills from the input embedding (e.g. lm_head.weight):
+    no checkpoint needs to hold them."""
+    text = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+    if not getattr(text, "tie_word_embeddings", False):
+        return set()
+    out = model.get_output_embeddings()
+    name = next((n for n, m in model.named_modules() if m is out), None)
+    return {f"{name}.weight"} if name is not None else set()
+
+
+__all__ = ["FORMAT_VERSION", "WEIGHTS", "WEIGHTS_INDEX", "RANA_CONFIG", "PLAN", "ModelLoadError", "CompressSettings",
+           "write_json",
+           "threshold_to_json", "threshold_from_json", "adapter_specs", "install_empty_adapters", "tied_keys"]
