@@ -1,4 +1,4 @@
-"""`make demo` (`python -m rana.demo`) end to end on a tiny model, and the bundled texts it uses:
+"""`make demo` (`python -m rana.cli.demo`) end to end on a tiny model, and the bundled texts it uses:
 calibration and held-out text are different documents."""
 import json
 import re
@@ -39,7 +39,7 @@ def test_bundled_texts_ship_as_package_data():
 
 
 def test_demo_runs_end_to_end_on_a_tiny_model(tmp_path, capsys):
-    from rana import demo
+    from rana.cli import demo
 
     model = tiny_model_dir(tmp_path / "tiny")
     out = tmp_path / "demo"
@@ -62,7 +62,7 @@ def test_demo_runs_end_to_end_on_a_tiny_model(tmp_path, capsys):
 
 
 def test_demo_reports_user_errors_in_one_line(tmp_path, capsys):
-    from rana import demo
+    from rana.cli import demo
 
     code = demo.main(["--model", "no-such-model-xyz", "--out", str(tmp_path / "o")])
     assert code == 2

@@ -1,4 +1,4 @@
-"""`python -m rana.demo` (what `make demo` runs): compress SmolLM2-135M and show what it did.
+"""`python -m rana.cli.demo` (what `make demo` runs): compress SmolLM2-135M and show what it did.
 
 Offline, on a laptop CPU, in a few minutes:
 
@@ -29,7 +29,7 @@ DEFAULT_OUT = "demo-out"
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="python -m rana.demo", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="python -m rana.cli.demo", description=__doc__.split("\n\n")[0])
     p.add_argument("--out", default=DEFAULT_OUT, help=f"output folder (default {DEFAULT_OUT}); replaced if it exists")
     p.add_argument("--model", default="smollm2-135m", help="dense model (default smollm2-135m, offline)")
     p.add_argument("--flops", type=float, default=0.58, help="FLOP fraction to keep (default 0.58)")
