@@ -1,8 +1,6 @@
 """`rana eval MODEL_OR_DIR [--compare DIR2 …] --ppl-data FILE --tasks … --latency --json OUT.json`."""
 from __future__ import annotations
 
-import json
-import os
 from pathlib import Path
 from typing import List, Optional
 
@@ -150,6 +148,7 @@ def register(app: typer.Typer) -> None:
                 resolve(r)  # fail fast on an unknown model
             else:
                 check_folder(r)  # a broken rana folder: one line before any work
+        from rana.io.format import write_json
         from rana.io.paths import check_output_file, local_inputs
 
         check_output_file(json_out, [p for r in refs + ([dense] if dense else []) for p in model_inputs(r)]
@@ -175,12 +174,7 @@ def register(app: typer.Typer) -> None:
                 print_wide(stdout, layer_error_table(r))
         if json_out is not None:
             json_out.parent.mkdir(parents=True, exist_ok=True)
-            tmp = json_out.with_name(f".{json_out.name}.tmp-{os.getpid()}")  # a full disk leaves no half file
-            try:
-                tmp.write_text(json.dumps(results, indent=2, default=float) + "\n")
-                os.replace(tmp, json_out)
-            finally:
-                tmp.unlink(missing_ok=True)
+            write_json(json_out, results)  # atomic: a full disk leaves no half file
             stdout.print(f"wrote {json_out}", highlight=False)
 
 

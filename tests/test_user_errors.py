@@ -82,7 +82,7 @@ def no_model_load(monkeypatch):
     def refuse(*a, **k):
         raise AssertionError("a model was loaded before the bad input was reported")
 
-    monkeypatch.setattr(rana.evaluation.run, "load_for_eval", refuse)
+    monkeypatch.setattr(rana.evaluation.run, "open_model", refuse)
     monkeypatch.setattr(rana.compress, "compress", refuse)
 
 

@@ -4,8 +4,8 @@
     harness.py      lm-evaluation-harness glue and the bundled offline tasks
     latency.py      decode timing (eager / compiled harness) and the masked-GEMV path in use
     diagnostics.py  per-layer output errors vs the dense model, rank-contribution histograms
-    loading.py      opening the models to evaluate (rana folder or dense reference)
-    run.py          evaluate_model (one model) and evaluate_models (the `rana eval` table)
+    run.py          evaluate_model (one model) and evaluate_models (the `rana eval` table; models
+                    open through rana.io.open_model)
 
 The function `perplexity` is imported from `rana.evaluation.perplexity`; it is not re-exported
 here, where its name would hide the module of the same name.
@@ -15,7 +15,6 @@ from .diagnostics import layer_errors, rank_adapters, rank_contributions
 from .harness import LOCAL_TASKS, check_tasks, lm_eval_tasks, task_manager, write_local_tasks
 from .latency import (DEFAULT_PROMPT, LATENCY_MODES, decode_latency, decode_path, default_latency_mode,
                       latency_ratio, measure_latency)
-from .loading import LoadedModel, load_for_eval
 from .perplexity import (combine_flops, eval_tokens, labelled_sources, ppl_protocol, summarize_flops, text_labels,
                          text_name, window_nll)
 from .run import check_request, evaluate_model, evaluate_models, metered_perplexity
@@ -26,7 +25,6 @@ __all__ = [
     "LOCAL_TASKS", "check_tasks", "lm_eval_tasks", "task_manager", "write_local_tasks",
     "DEFAULT_PROMPT", "LATENCY_MODES", "decode_latency", "decode_path", "default_latency_mode", "latency_ratio",
     "measure_latency",
-    "LoadedModel", "load_for_eval",
     "combine_flops", "eval_tokens", "labelled_sources", "ppl_protocol", "summarize_flops", "text_labels", "text_name",
     "window_nll",
     "check_request", "evaluate_model", "evaluate_models", "metered_perplexity",

@@ -18,11 +18,11 @@ import torch.nn as nn
 
 from ..accounting import measured_macs, metering
 from ..data import DataError, eval_windows
+from ..io.models import LoadedModel, load_model, open_model
 from . import diagnostics
 from .common import Progress
 from .harness import lm_eval_tasks
 from .latency import measure_latency
-from .loading import LoadedModel, load_dense, load_for_eval
 from .perplexity import combine_flops, eval_tokens, labelled_sources, perplexity, ppl_protocol, summarize_flops
 
 # --------------------------------------------------------------------------- perplexity with the meters on
@@ -204,12 +204,13 @@ def evaluate_models(
         if ref not in dense_cache:
             dense_cache.clear()
             log(f"loading dense model {ref}")
-            dense_cache[ref] = load_dense(ref, dtype=dtype, device=device)
+            dense_cache[ref] = load_model(ref, dtype=dtype, device=device)[0]
         return dense_cache[ref]
 
     rows = []
     for i, ref in enumerate(refs):
-        loaded = load_for_eval(ref, dtype=dtype, device=device)  # before the first bar: load errors stay one line
+        # before the first bar: load errors stay one line; float32 keeps a rana folder's saved dtype
+        loaded = open_model(ref, dtype=None if dtype == "float32" else dtype, device=device)
         if progress:
             progress("models", i, len(refs))
         if loaded.tokenizer is None:

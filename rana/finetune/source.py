@@ -12,11 +12,12 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+from transformers import AutoConfig, AutoTokenizer
 
 from ..io import check_folder, is_rana_dir, read_meta, read_plan
 from ..io import load as load_rana
-from ..io.models import ModelLoadError, check_loading_info, check_weight_files, clear_gguf_quantizer, resolve
+from ..io.models import dense_reference as compressed_from
+from ..io.models import load_model, load_tokenizer
 from ..units import DTYPES
 from .config import FinetuneConfig, FinetuneError
 
@@ -58,30 +59,10 @@ def load_source(source: Source, config: FinetuneConfig):
 
 
 def load_dense(reference: str, dtype: str = "float32"):
-    """(model, tokenizer or None) for a dense checkpoint; unlike `load_model`, a missing tokenizer is fine
+    """(model, tokenizer or None) for a dense checkpoint; a missing tokenizer is fine here
     (pre-tokenised data needs none)."""
-    src = resolve(reference, dense=True)
-    kw = {"gguf_file": src.gguf_file} if src.gguf_file else {}
-    if not src.gguf_file and Path(src.path).is_dir():
-        check_weight_files(Path(src.path))
-    try:
-        model, info = AutoModelForCausalLM.from_pretrained(src.path, dtype=DTYPES[dtype], output_loading_info=True, **kw)
-    except OSError as e:
-        raise ModelLoadError(f"could not load '{reference}': {str(e).splitlines()[0]}") from None
-    check_loading_info(reference, info)  # missing tensors would train from random weights
-    clear_gguf_quantizer(model)
-    model = model.to(DTYPES[dtype])
-    try:
-        tokenizer = AutoTokenizer.from_pretrained(src.path, **kw)
-    except Exception:  # noqa: BLE001 - no tokenizer files
-        tokenizer = None
-    return model.eval(), tokenizer
-
-
-def load_tokenizer(reference: str):
-    src = resolve(reference)
-    kw = {"gguf_file": src.gguf_file} if src.gguf_file else {}
-    return AutoTokenizer.from_pretrained(src.path, **kw)
+    model, tokenizer, _ = load_model(reference, dtype=dtype, require_tokenizer=False)
+    return model, tokenizer
 
 
 def probe_tokenizer(source: Source, config: FinetuneConfig):
@@ -106,7 +87,6 @@ def probe_tokenizer(source: Source, config: FinetuneConfig):
 
 def dense_reference(source: Source, config: FinetuneConfig) -> str | None:
     """The dense model the source was compressed from: --dense-model, else what plan.json names."""
-    ref = config.dense_model
-    if ref is None and source.plan is not None:
-        ref = (source.plan.get("config") or {}).get("model") or source.plan.get("model")
-    return ref
+    if config.dense_model is not None:
+        return config.dense_model
+    return compressed_from(source.plan, source.meta) if source.kind == "rana" else None

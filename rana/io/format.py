@@ -70,11 +70,15 @@ class CompressSettings:
 
 def write_json(path: Path, obj) -> None:
     """`obj` as indented JSON (numbers rana keeps as tensors or numpy scalars as floats), written
-    to a temp file beside `path` and renamed over it."""
+    to a temp file beside `path` and renamed over it: the file is complete or absent, also when the
+    disk fills up."""
     path = Path(path)
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    tmp.write_text(json.dumps(obj, indent=2, default=float) + "\n")
-    os.replace(tmp, path)
+    try:
+        tmp.write_text(json.dumps(obj, indent=2, default=float) + "\n")
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
 
 
 def threshold_to_json(x: float) -> float | str | None:

@@ -116,16 +116,26 @@ def check_loading_info(reference: str, info: dict) -> None:
                              f"{'; '.join(parts)}; it is incomplete or from another model: re-download or re-save it")
 
 
-def load_model(reference: str, *, dtype: str = "float32", device: str = "cpu"):
-    """(model, tokenizer, source) for a reference; the model in eval mode on `device`."""
+def load_model(reference: str, *, dtype: str = "float32", device: str = "cpu", require_tokenizer: bool = True):
+    """(model, tokenizer, source) for a reference; the model in eval mode on `device`.
+
+    `require_tokenizer=False`: a checkpoint without tokenizer files loads with tokenizer None
+    (fine-tuning on pre-tokenised data needs none)."""
     if dtype not in DTYPES:
         raise ModelLoadError(f"unknown dtype '{dtype}' (choose from {', '.join(DTYPES)})")
     src = resolve(reference, dense=True)
     kw = {"gguf_file": src.gguf_file} if src.gguf_file else {}
     if not src.gguf_file and Path(src.path).is_dir():
         check_weight_files(Path(src.path))
+    tokenizer = None
+    if not require_tokenizer:
+        try:
+            tokenizer = AutoTokenizer.from_pretrained(src.path, **kw)
+        except Exception:  # noqa: BLE001 - no tokenizer files
+            tokenizer = None
     try:
-        tokenizer = AutoTokenizer.from_pretrained(src.path, **kw)
+        if require_tokenizer:
+            tokenizer = AutoTokenizer.from_pretrained(src.path, **kw)
         model, info = AutoModelForCausalLM.from_pretrained(src.path, dtype=DTYPES[dtype], output_loading_info=True, **kw)
     except OSError as e:
         offline = os.environ.get("HF_HUB_OFFLINE") == "1"

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import json
 import math
-import os
 from pathlib import Path
 from typing import Any
 
+from ..io.format import write_json
 from ..methods import METHODS
 from . import plots
 
@@ -22,13 +22,6 @@ FIGURE_FILES = {
 
 def point_name(method: str, flops: float | None = None) -> str:
     return DENSE if method == DENSE else f"{method}_{flops:g}"
-
-
-def write_json(path: Path, obj: Any) -> None:
-    """Atomic: a point file is either complete or absent (JSON, indent 2, numbers via float)."""
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    tmp.write_text(json.dumps(obj, indent=2, default=float) + "\n")
-    os.replace(tmp, path)
 
 
 def layer_summary(plan: dict) -> list[dict]:

@@ -22,11 +22,12 @@ from ..compress import BudgetError, calibration_data, compress_model
 from ..compress import CompressConfig
 from ..evaluation import Progress, eval_tokens, evaluate_model, ppl_protocol, rank_adapters, rank_contributions, text_labels
 from ..io import save
+from ..io.format import write_json
 from ..io.models import load_model
 from ..io.models import model_inputs
 from ..io.paths import check_output, local_inputs
 from ..methods import METHODS
-from .report import DENSE, describe_point, layer_summary, point_name, write_json, write_outputs
+from .report import DENSE, describe_point, layer_summary, point_name, write_outputs
 
 Log = Callable[[str], None]
 
