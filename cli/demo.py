@@ -84,7 +84,7 @@ def run(args: argparse.Namespace) -> dict:
     import rana
     from rana.io.card import add_evaluation
     from rana.cli.common import print_wide
-    from rana.cli.evaluate_cmd import eval_table
+    from rana.cli.eval_cmd import eval_table
     from rana.compress import calibration_data, compress_model
     from rana.compress import CompressConfig
     from rana.data import BUNDLED_CORPUS, BUNDLED_HELDOUT

@@ -9,6 +9,8 @@ import typer
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 from rich.table import Table
 
+from rana.finetune import FinetuneConfig
+
 from .common import console, fail, friendly
 from .common import out as stdout
 
@@ -48,48 +50,48 @@ def register(app: typer.Typer) -> None:
         data: Optional[str] = typer.Option(None, help="training text: hub dataset, local .txt/.jsonl/.json/.parquet file or folder, or .pt/.npy token ids (default: bundled corpus)"),
         eval_data: Optional[str] = typer.Option(None, help="held-out data (same kinds; default: the tail of --data)"),
         dataset_config: Optional[str] = typer.Option(None, help="hub dataset config name"),
-        split: str = typer.Option("train", help="hub dataset split"),
-        text_column: str = typer.Option("text", help="text column for json/parquet/hub data"),
+        split: str = typer.Option(FinetuneConfig.split, help="hub dataset split"),
+        text_column: str = typer.Option(FinetuneConfig.text_column, help="text column for json/parquet/hub data"),
         tokenizer: Optional[str] = typer.Option(None, help="take the tokenizer from this model when the source has none"),
         tokens: str = typer.Option("2M", help="training token budget, e.g. 2M, 500k, 1.5e6"),
-        seq_len: int = typer.Option(512, help="tokens per packed training block"),
-        batch_size: int = typer.Option(4, help="blocks per micro-batch, per process"),
-        grad_accum: int = typer.Option(1, help="micro-batches per optimizer step"),
+        seq_len: int = typer.Option(FinetuneConfig.seq_len, help="tokens per packed training block"),
+        batch_size: int = typer.Option(FinetuneConfig.batch_size, help="blocks per micro-batch, per process"),
+        grad_accum: int = typer.Option(FinetuneConfig.grad_accum, help="micro-batches per optimizer step"),
         lr: Optional[float] = typer.Option(None, help="peak learning rate (default 2e-4 LoRA, 2e-5 full, 1e-3 LAuReL only)"),
-        lr_sweep: bool = typer.Option(False, "--lr-sweep", help="try a few learning rates on a short prefix, keep the best held-out loss"),
+        lr_sweep: bool = typer.Option(FinetuneConfig.lr_sweep, "--lr-sweep", help="try a few learning rates on a short prefix, keep the best held-out loss"),
         sweep_lrs: Optional[str] = typer.Option(None, help="comma list of learning rates for --lr-sweep (default lr × 0.25, 1, 4)"),
-        sweep_frac: float = typer.Option(0.1, help="share of the budget each sweep trial trains for"),
-        warmup: float = typer.Option(0.05, help="warm-up share of the steps (then cosine decay)"),
-        min_lr_ratio: float = typer.Option(0.1, help="cosine floor as a share of the peak lr"),
-        weight_decay: float = typer.Option(0.0, help="AdamW weight decay (matrices only)"),
-        max_grad_norm: float = typer.Option(1.0, help="gradient clipping (0: off)"),
-        full: bool = typer.Option(False, "--full", help="full fine-tuning of every weight"),
+        sweep_frac: float = typer.Option(FinetuneConfig.sweep_frac, help="share of the budget each sweep trial trains for"),
+        warmup: float = typer.Option(FinetuneConfig.warmup, help="warm-up share of the steps (then cosine decay)"),
+        min_lr_ratio: float = typer.Option(FinetuneConfig.min_lr_ratio, help="cosine floor as a share of the peak lr"),
+        weight_decay: float = typer.Option(FinetuneConfig.weight_decay, help="AdamW weight decay (matrices only)"),
+        max_grad_norm: float = typer.Option(FinetuneConfig.max_grad_norm, help="gradient clipping (0: off)"),
+        full: bool = typer.Option(FinetuneConfig.full, "--full", help="full fine-tuning of every weight"),
         lora_targets: Optional[str] = typer.Option(None, help="adapters (default) | all (adapters + unadapted projections) | none | comma list of module names"),
-        lora_r: int = typer.Option(16, help="LoRA rank"),
-        lora_alpha: float = typer.Option(32.0, help="LoRA alpha"),
-        lora_dropout: float = typer.Option(0.0, help="LoRA dropout"),
-        laurel: str = typer.Option("none", help="LAuReL residuals: none | rw | lr | rw+lr | rw+lr+pa (any '+' mix of rw, skip, lr, pa)"),
-        laurel_rank: int = typer.Option(16, help="rank of LAuReL's low-rank map (lr)"),
-        laurel_history: int = typer.Option(2, help="previous activations mixed by LAuReL-PA"),
-        self_guided_frac: float = typer.Option(0.0, help="self-guided start: α·dense + (1−α)·adapted, α → 0 over this share of the steps"),
+        lora_r: int = typer.Option(FinetuneConfig.lora_r, help="LoRA rank"),
+        lora_alpha: float = typer.Option(FinetuneConfig.lora_alpha, help="LoRA alpha"),
+        lora_dropout: float = typer.Option(FinetuneConfig.lora_dropout, help="LoRA dropout"),
+        laurel: str = typer.Option(FinetuneConfig.laurel, help="LAuReL residuals: none | rw | lr | rw+lr | rw+lr+pa (any '+' mix of rw, skip, lr, pa)"),
+        laurel_rank: int = typer.Option(FinetuneConfig.laurel_rank, help="rank of LAuReL's low-rank map (lr)"),
+        laurel_history: int = typer.Option(FinetuneConfig.laurel_history, help="previous activations mixed by LAuReL-PA"),
+        self_guided_frac: float = typer.Option(FinetuneConfig.self_guided_frac, help="self-guided start: α·dense + (1−α)·adapted, α → 0 over this share of the steps"),
         dense_model: Optional[str] = typer.Option(None, help="dense model for --self-guided-frac (default: plan.json's model)"),
-        precision: str = typer.Option("auto", help="auto (bf16 on CUDA with bf16, else fp32) | no | bf16 | fp16"),
-        dtype: str = typer.Option("float32", help="weight dtype while training: float32 | bfloat16 | float16"),
-        gradient_checkpointing: bool = typer.Option(False, "--gradient-checkpointing", help="recompute activations in backward (less memory)"),
-        seed: int = typer.Option(0),
-        eval_every: int = typer.Option(0, help="steps between held-out evaluations (0: about 10 per run)"),
-        eval_tokens: int = typer.Option(65536, help="held-out tokens scored per evaluation (at most)"),
-        eval_at_start: bool = typer.Option(True, "--eval-at-start/--no-eval-at-start", help="score the held-out set before training"),
-        heldout_fraction: float = typer.Option(0.05, help="share of --data held out when --eval-data is not given"),
+        precision: str = typer.Option(FinetuneConfig.precision, help="auto (bf16 on CUDA with bf16, else fp32) | no | bf16 | fp16"),
+        dtype: str = typer.Option(FinetuneConfig.dtype, help="weight dtype while training: float32 | bfloat16 | float16"),
+        gradient_checkpointing: bool = typer.Option(FinetuneConfig.gradient_checkpointing, "--gradient-checkpointing", help="recompute activations in backward (less memory)"),
+        seed: int = typer.Option(FinetuneConfig.seed),
+        eval_every: int = typer.Option(FinetuneConfig.eval_every, help="steps between held-out evaluations (0: about 10 per run)"),
+        eval_tokens: int = typer.Option(FinetuneConfig.eval_tokens, help="held-out tokens scored per evaluation (at most)"),
+        eval_at_start: bool = typer.Option(FinetuneConfig.eval_at_start, "--eval-at-start/--no-eval-at-start", help="score the held-out set before training"),
+        heldout_fraction: float = typer.Option(FinetuneConfig.heldout_fraction, help="share of --data held out when --eval-data is not given"),
         save_every: Optional[int] = typer.Option(None, help="steps between checkpoints (default: about 5 per run; 0: none)"),
         checkpoint_dir: Optional[Path] = typer.Option(None, help="checkpoint folder (default OUT/.checkpoints, removed when the run finishes)"),
-        keep_checkpoints: int = typer.Option(2, help="newest checkpoints kept"),
-        resume: bool = typer.Option(False, "--resume", help="continue from the newest checkpoint (same settings required)"),
+        keep_checkpoints: int = typer.Option(FinetuneConfig.keep_checkpoints, help="newest checkpoints kept"),
+        resume: bool = typer.Option(FinetuneConfig.resume, "--resume", help="continue from the newest checkpoint (same settings required)"),
         stop_after: Optional[int] = typer.Option(None, help="stop after this many steps, with a checkpoint, to --resume later"),
-        overwrite: bool = typer.Option(False, help="replace an existing --out folder / start over its checkpoints"),
+        overwrite: bool = typer.Option(FinetuneConfig.overwrite, help="replace an existing --out folder / start over its checkpoints"),
     ) -> None:
         """Fine-tune a compressed model: LoRA on the RaNA adapters, LAuReL residuals, or full training."""
-        from rana.finetune import FinetuneConfig, NonFiniteLossError, finetune
+        from rana.finetune import NonFiniteLossError, finetune
         from rana.units import parse_tokens
 
         if out is None and checkpoint_dir is None:

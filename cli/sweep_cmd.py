@@ -8,6 +8,7 @@ import typer
 from rich.table import Table
 
 from rana.methods import names
+from rana.sweep import SweepConfig
 
 from .common import LazyProgress, check_inputs, console, fail, friendly, print_wide
 from .common import out as stdout
@@ -51,28 +52,28 @@ def register(app: typer.Typer) -> None:
         ppl_data: List[str] = typer.Option(..., "--ppl-data", help="evaluation text (repeatable): local .txt/.raw/.jsonl/.parquet or hub name[:config[:split]]"),
         methods: str = typer.Option("rana,cats,svd,teal", help=f"comma list of: dense, {', '.join(names())}"),
         flops: str = typer.Option("0.85,0.7,0.58", help="comma list of FLOP budgets (fractions of dense)"),
-        dense: bool = typer.Option(True, "--dense/--no-dense", help="also evaluate the dense model (the baseline row)"),
+        dense: bool = typer.Option(SweepConfig.dense, "--dense/--no-dense", help="also evaluate the dense model (the baseline row)"),
         dataset: Optional[str] = typer.Option(None, help="calibration text: hub dataset or local file/folder (default: bundled corpus)"),
         dataset_config: Optional[str] = typer.Option(None, help="hub dataset config name"),
-        split: str = typer.Option("train", help="hub dataset split (calibration)"),
-        text_column: str = typer.Option("text", help="text column for json/parquet/hub data"),
-        calib_tokens: int = typer.Option(32768, help="calibration tokens (computed once, shared by all points)"),
+        split: str = typer.Option(SweepConfig.split, help="hub dataset split (calibration)"),
+        text_column: str = typer.Option(SweepConfig.text_column, help="text column for json/parquet/hub data"),
+        calib_tokens: int = typer.Option(SweepConfig.calib_tokens, help="calibration tokens (computed once, shared by all points)"),
         eval_tokens: Optional[int] = typer.Option(None, help="cap on the tokens of each evaluation text (default: all)"),
-        seq_len: int = typer.Option(512, help="calibration and perplexity window length"),
-        batch_size: int = typer.Option(8, help="sequences per calibration forward"),
-        eval_batch_size: int = typer.Option(4, help="windows per perplexity forward"),
+        seq_len: int = typer.Option(SweepConfig.seq_len, help="calibration and perplexity window length"),
+        batch_size: int = typer.Option(SweepConfig.batch_size, help="sequences per calibration forward"),
+        eval_batch_size: int = typer.Option(SweepConfig.eval_batch_size, help="windows per perplexity forward"),
         figure_flops: Optional[float] = typer.Option(None, help="budget for the per-layer figures (default: the smallest)"),
-        dtype: str = typer.Option("float32", help="float32 | bfloat16 | float16"),
-        device: str = typer.Option("cpu", help="compute device (cpu, cuda, …)"),
-        grid_step: float = typer.Option(0.125, help="MLP budget-split grid step"),
-        allocation: str = typer.Option("uniform", help="FLOP allocation across layers: uniform (paper) | global (by measured sensitivity)"),
-        seed: int = typer.Option(0),
-        save_models: bool = typer.Option(False, "--save-models", help="also save each compressed model under OUT/models/"),
+        dtype: str = typer.Option(SweepConfig.dtype, help="float32 | bfloat16 | float16"),
+        device: str = typer.Option(SweepConfig.device, help="compute device (cpu, cuda, …)"),
+        grid_step: float = typer.Option(SweepConfig.grid_step, help="MLP budget-split grid step"),
+        allocation: str = typer.Option(SweepConfig.allocation, help="FLOP allocation across layers: uniform (paper) | global (by measured sensitivity)"),
+        seed: int = typer.Option(SweepConfig.seed),
+        save_models: bool = typer.Option(SweepConfig.save_models, "--save-models", help="also save each compressed model under OUT/models/"),
     ) -> None:
         """Compress with several methods at several budgets; evaluate, tabulate and plot (resumable)."""
         from rana.data import check_source
         from rana.io.models import resolve
-        from rana.sweep import SweepConfig, run_sweep
+        from rana.sweep import run_sweep
 
         config = SweepConfig(model=model, out=out, ppl_data=list(ppl_data), methods=methods.split(","), flops=_floats(flops),
                              dense=dense, dataset=dataset, dataset_config=dataset_config, split=split,

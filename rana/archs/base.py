@@ -140,12 +140,6 @@ def get_arch(config_or_model_type) -> ArchSpec:
     return spec
 
 
-def get_submodule(root: nn.Module, path: str | None) -> nn.Module | None:
-    if path is None:
-        return None
-    return root.get_submodule(path)
-
-
 def set_submodule(root: nn.Module, path: str, module: nn.Module) -> None:
     parent_path, _, name = path.rpartition(".")
     parent = root.get_submodule(parent_path) if parent_path else root

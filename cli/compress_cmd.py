@@ -7,6 +7,7 @@ from typing import Optional
 import typer
 from rich.table import Table
 
+from rana.compress import CompressConfig
 from rana.methods import names
 
 from .common import LazyProgress, check_inputs, console, friendly
@@ -68,23 +69,23 @@ def register(app: typer.Typer) -> None:
         ctx: typer.Context,
         model: Optional[str] = typer.Argument(None, help="alias (smollm2-135m, llama2-7b, …), hub id, local folder or .gguf file "
                                               "(may be omitted with --recipe)"),
-        flops: float = typer.Option(0.58, "--flops", help="fraction of the dense model's per-token FLOPs to keep, in (0, 1]"),
+        flops: float = typer.Option(CompressConfig.flops, "--flops", help="fraction of the dense model's per-token FLOPs to keep, in (0, 1]"),
         out: Path = typer.Option(..., "--out", "-o", help="output folder (must not exist unless --overwrite)"),
-        method: str = typer.Option("rana", help=f"{' | '.join(names(ablations=False))} (ablations: {', '.join(names(ablations=True))})"),
-        allocation: str = typer.Option("uniform", help="FLOP allocation across layers: uniform (paper) | global (by measured sensitivity)"),
+        method: str = typer.Option(CompressConfig.method, help=f"{' | '.join(names(ablations=False))} (ablations: {', '.join(names(ablations=True))})"),
+        allocation: str = typer.Option(CompressConfig.allocation, help="FLOP allocation across layers: uniform (paper) | global (by measured sensitivity)"),
         recipe: Optional[Path] = typer.Option(None, "--recipe", help="re-run a recipe.json (or the folder holding one) written with "
                                               "every compressed model; options given here override its values"),
         dataset: Optional[str] = typer.Option(None, help="calibration text: hub dataset name or local .txt/.jsonl/.parquet file or folder (default: bundled corpus)"),
         dataset_config: Optional[str] = typer.Option(None, help="hub dataset config name"),
-        split: str = typer.Option("train", help="hub dataset split"),
-        text_column: str = typer.Option("text", help="text column for json/parquet/hub data"),
-        calib_tokens: int = typer.Option(32768, help="calibration tokens (fit + held-aside slice)"),
-        seq_len: int = typer.Option(512, help="calibration sequence length"),
-        batch_size: int = typer.Option(8, help="sequences per calibration forward"),
-        dtype: str = typer.Option("float32", help="float32 | bfloat16 | float16"),
-        device: str = typer.Option("cpu", help="compute device (cpu, cuda, cuda:1, …)"),
-        grid_step: float = typer.Option(0.125, help="MLP budget-split grid step (paper's grid search)"),
-        seed: int = typer.Option(0),
+        split: str = typer.Option(CompressConfig.split, help="hub dataset split"),
+        text_column: str = typer.Option(CompressConfig.text_column, help="text column for json/parquet/hub data"),
+        calib_tokens: int = typer.Option(CompressConfig.calib_tokens, help="calibration tokens (fit + held-aside slice)"),
+        seq_len: int = typer.Option(CompressConfig.seq_len, help="calibration sequence length"),
+        batch_size: int = typer.Option(CompressConfig.batch_size, help="sequences per calibration forward"),
+        dtype: str = typer.Option(CompressConfig.dtype, help="float32 | bfloat16 | float16"),
+        device: str = typer.Option(CompressConfig.device, help="compute device (cpu, cuda, cuda:1, …)"),
+        grid_step: float = typer.Option(CompressConfig.grid_step, help="MLP budget-split grid step (paper's grid search)"),
+        seed: int = typer.Option(CompressConfig.seed),
         overwrite: bool = typer.Option(False, help="replace an existing --out folder"),
         max_memory: Optional[str] = typer.Option(None, "--max-memory", help="cap on the compute device's memory, e.g. 2GB or 80GiB: "
                                                  "checked against one layer's need before any work; on a CPU device a bigger checkpoint is streamed from disk"),
@@ -92,7 +93,6 @@ def register(app: typer.Typer) -> None:
                                                    "one at a time; compressed layers and calibration activations are kept here"),
     ) -> None:
         """Compress a model with RaNA adapters to a model-level FLOP budget."""
-        from rana.compress import CompressConfig
         from rana.compress import compress as run
         from rana.compress.distributed import is_main_process
         from rana.io import OutputExistsError, save

@@ -1,14 +1,21 @@
 """`rana eval MODEL_OR_DIR [--compare DIR2 …] --ppl-data FILE --tasks … --latency --json OUT.json`."""
 from __future__ import annotations
 
+import inspect
 from pathlib import Path
 from typing import List, Optional
 
 import typer
 from rich.table import Table
 
+from rana.evaluation import evaluate_models
+
 from .common import LazyProgress, check_inputs, console, friendly, print_wide
 from .common import out as stdout
+
+
+# one source of defaults: the library function the command calls
+EVAL_DEFAULTS = {name: p.default for name, p in inspect.signature(evaluate_models).parameters.items()}
 
 
 def _task_metric(metrics: dict) -> tuple[str, float] | None:
@@ -96,29 +103,29 @@ def register(app: typer.Typer) -> None:
         models: List[str] = typer.Argument(..., help="rana folder(s) or dense model(s): alias, hub id, local folder, .gguf"),
         compare: List[str] = typer.Option([], "--compare", help="more models for the same table (repeatable, or comma list)"),
         ppl_data: List[str] = typer.Option([], "--ppl-data", help="perplexity text (repeatable): local .txt/.raw/.jsonl/.parquet or hub name[:config[:split]]"),
-        seq_len: int = typer.Option(512, help="perplexity window length (also the attention context for FLOPs)"),
-        batch_size: int = typer.Option(4, help="windows per perplexity forward"),
+        seq_len: int = typer.Option(EVAL_DEFAULTS['seq_len'], help="perplexity window length (also the attention context for FLOPs)"),
+        batch_size: int = typer.Option(EVAL_DEFAULTS['batch_size'], help="windows per perplexity forward"),
         eval_tokens: Optional[int] = typer.Option(None, help="score only the first N tokens of each text (default: all)"),
-        text_column: str = typer.Option("text", help="text column for json/parquet/hub data"),
+        text_column: str = typer.Option(EVAL_DEFAULTS['text_column'], help="text column for json/parquet/hub data"),
         tasks: Optional[str] = typer.Option(None, help="comma list of lm-eval tasks (hellaswag,lambada_openai; offline: hellaswag_local,lambada_openai_local with --task-data)"),
         include_path: Optional[Path] = typer.Option(None, help="folder of extra lm-eval task YAMLs"),
         task_data: Optional[Path] = typer.Option(None, help="data folder for the bundled *_local tasks (holds eval/…jsonl), e.g. ../shared/data"),
         limit: Optional[float] = typer.Option(None, help="lm-eval examples per task (a number, or a fraction < 1)"),
-        num_fewshot: int = typer.Option(0, help="lm-eval few-shot examples"),
+        num_fewshot: int = typer.Option(EVAL_DEFAULTS['num_fewshot'], help="lm-eval few-shot examples"),
         latency: bool = typer.Option(False, "--latency", help="batch-1 decode tokens/s, timed interleaved with the dense model"),
         dense: Optional[str] = typer.Option(None, "--dense", help="dense model for --latency / --layer-errors (default: plan.json's model)"),
-        latency_tokens: int = typer.Option(64, help="tokens generated per latency run"),
-        latency_repeats: int = typer.Option(5, help="timed latency runs (median)"),
+        latency_tokens: int = typer.Option(EVAL_DEFAULTS['latency_new_tokens'], help="tokens generated per latency run"),
+        latency_repeats: int = typer.Option(EVAL_DEFAULTS['latency_repeats'], help="timed latency runs (median)"),
         latency_mode: str = typer.Option("auto", help="latency harness: compiled (static cache + torch.compile) | eager | auto (compiled on CUDA, eager elsewhere)"),
         layer_errors: bool = typer.Option(False, "--layer-errors", help="per-layer relative output error of QKV/o/MLP vs the dense model on the first --ppl-data text"),
-        layer_error_tokens: int = typer.Option(8192, help="tokens for --layer-errors"),
+        layer_error_tokens: int = typer.Option(EVAL_DEFAULTS['layer_error_tokens'], help="tokens for --layer-errors"),
         json_out: Optional[Path] = typer.Option(None, "--json", help="write machine-readable results here"),
-        dtype: str = typer.Option("float32", help="float32 | bfloat16 | float16"),
-        device: str = typer.Option("cpu", help="compute device (cpu, cuda, …)"),
+        dtype: str = typer.Option(EVAL_DEFAULTS['dtype'], help="float32 | bfloat16 | float16"),
+        device: str = typer.Option(EVAL_DEFAULTS['device'], help="compute device (cpu, cuda, …)"),
     ) -> None:
         """Perplexity, measured FLOPs, lm-eval tasks and decode latency of compressed and dense models."""
         from rana.checks import check_device
-        from rana.evaluation import check_request, check_tasks, evaluate_models
+        from rana.evaluation import check_request, check_tasks
         from rana.units import DTYPES
 
         refs = list(models) + [c.strip() for item in compare for c in item.split(",") if c.strip()]
