@@ -65,7 +65,7 @@ def estimate_memory(model_config, config, *, method: str | None = None, device: 
 
     Activations are counted for one calibration batch in float32 (the hooks' upcast), attention
     scores as materialised by eager attention (an upper bound for SDPA). The sample / held-aside
-    rows the searches keep are on the compute device (rana.placement); on a CPU device the
+    rows the searches keep are on the compute device (rana.compress.placement); on a CPU device the
     calibration hidden states of all tokens (unless spilled to disk) are in the same memory too."""
     need = get_method(method or config.method).memory
     device = device or config.device
@@ -96,7 +96,7 @@ def estimate_memory(model_config, config, *, method: str | None = None, device: 
     parts = {"layer weights": w_layer, "adapters being built": w_layer, "decomposition workspace": workspace,
              "second moments": moments, "search buffers": search, "batch activations": acts,
              "embeddings/lm_head": resident}
-    # the searches' sample / held-aside rows live on the compute device (rana.placement)
+    # the searches' sample / held-aside rows live on the compute device (rana.compress.placement)
     tokens = config.calib_tokens
     held = tokens * config.heldout_fraction
     fit_sample = tokens * (1 - config.heldout_fraction) * distributed.THRESHOLD_FRACTION

@@ -241,8 +241,7 @@ def grid_search_mlp(
                          down_macs=d_out * active, error=err)
 
     parts = 3 if gate is not None else 2
-    # the grid, plus the uniform split (every projection keeps the same fraction of its cost)
-    # the equal split: every projection keeps the same fraction of its own dense cost
+    # the grid, plus the equal split: every projection keeps the same fraction of its own dense cost
     costs = [float(up.weight.numel())] + ([float(gate.weight.numel())] if gate is not None else []) + [float(d_out * inter)]
     uniform = [tuple(c / sum(costs) for c in costs)]
     candidates = uniform if uniform_only else simplex_grid(parts, step) + uniform

@@ -161,10 +161,8 @@ def rana_method(name: str, candidates: Candidates, description: str, style: dict
                   memory=MemoryNeed(grid_search=True), ablation=ablation, style=style)
 
 
-# The default was chosen from the SmolLM2 sweep (README "Methods"): rank adapters fit to the
-# calibration text's second moments win on held-aside calibration tokens but lose on other text,
-# so it keeps RaNA's machinery on input sparsity; scoring inputs by |x_j| measured 0.7 % better on
-# average than the contribution |x_j|·‖W[:, j]‖ (6 of 9 text × budget cells).
+# Why the default is input sparsity scored by |x_j|, and not rank adapters or contribution
+# scores: the SmolLM2 sweep (README "Results", benchmarks/results/sweep_smollm2/).
 register(rana_method(
     "rana", Candidates(rank=False, sparse=True, score="magnitude"),
     "rana (default): input sparsity |x_j| ≥ t (a B-masked rank adapter with B = I) on every projection "

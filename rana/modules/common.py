@@ -4,6 +4,8 @@ from __future__ import annotations
 import torch
 import torch.nn as nn
 
+# rana.kernels is the repository's top-level kernels/ folder, installed inside the package
+# (pyproject.toml package-dir); exports ship both folders' files flat beside each other
 from ..kernels.ops import decode_masked
 
 
