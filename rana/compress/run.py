@@ -112,28 +112,12 @@ def _compress_layers(model: nn.Module, tokenizer, config: CompressConfig, calibr
         residency.bring(idx, layer)
         ctx = LayerContext(index=idx, layer=layer, spec=spec, fraction=fraction, fit_sample_tokens=config.fit_sample_tokens,
                            search_tokens=config.search_tokens, grid_step=config.grid_step, dtype=dtype)
-        entry = {"layer": idx}
-        measures = {}
-        for step in method.steps if fraction < 1.0 else []:
-            ctx.fraction = allocation.fractions[idx][step.block] if allocation else fraction
-            if ctx.fraction >= 1.0:
-                continue
-            targets = {role: layer.get_submodule(spec.role_path(role)) for role in step.targets}
-            stats = collect_inputs(layer, fit, held, targets, device=device, stop_at=targets[step.stop],
-                                   second_moment=step.moments, layer_index=idx)
-            if step.block not in measures:  # snapshot the dense block before its first step
-                measures[step.block] = _step_error(ctx, step.block, stats)
-            _merge(entry.setdefault(step.block, {"components": {}, "expected_macs": 0.0, "dense_macs": 0.0}),
-                   step.apply(ctx, stats))
-            entry[step.block]["budget_fraction"] = ctx.fraction
-            del stats
-        for block, measure in measures.items():
-            entry[block]["heldout_error"] = measure()
+        fractions = allocation.fractions[idx] if allocation else None
+        layer_plans.append(_compress_layer(ctx, method, fit, held, fractions, device))
         with metering(layer):  # measure masks on held-aside tokens as they flow
             held = run_layer(layer, held, device=device, offload=offload)
         fit = run_layer(layer, fit, device=device, offload=offload)
         residency.release(idx, layer)
-        layer_plans.append(entry)
         if progress:
             progress("layers", idx + 1, len(layers))
     measured = measured_macs(model, config.seq_len)
@@ -155,6 +139,30 @@ def _compress_layers(model: nn.Module, tokenizer, config: CompressConfig, calibr
     }
     offloaded = residency.finish(model, plan)
     return CompressResult(model=model, tokenizer=tokenizer, plan=plan, offloaded=offloaded)
+
+
+def _compress_layer(ctx: LayerContext, method: Method, fit, held, fractions: dict | None,
+                    device: torch.device) -> dict:
+    """One decoder layer: each step of the method fits and installs its adapters on statistics of
+    the (already compressed) upstream; returns the layer's plan entry with held-aside errors."""
+    layer, spec, fraction = ctx.layer, ctx.spec, ctx.fraction
+    entry, measures = {"layer": ctx.index}, {}
+    for step in method.steps if fraction < 1.0 else []:
+        ctx.fraction = fractions[step.block] if fractions else fraction
+        if ctx.fraction >= 1.0:
+            continue
+        targets = {role: layer.get_submodule(spec.role_path(role)) for role in step.targets}
+        stats = collect_inputs(layer, fit, held, targets, device=device, stop_at=targets[step.stop],
+                               second_moment=step.moments, layer_index=ctx.index)
+        if step.block not in measures:  # snapshot the dense block before its first step
+            measures[step.block] = _step_error(ctx, step.block, stats)
+        _merge(entry.setdefault(step.block, {"components": {}, "expected_macs": 0.0, "dense_macs": 0.0}),
+               step.apply(ctx, stats))
+        entry[step.block]["budget_fraction"] = ctx.fraction
+        del stats
+    for block, measure in measures.items():
+        entry[block]["heldout_error"] = measure()
+    return entry
 
 
 def _merge(block: dict, result: dict) -> None:
