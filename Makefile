@@ -59,7 +59,7 @@ $(STAMP): pyproject.toml | $(PY)
 	@touch $@
 
 demo: $(STAMP)
-	$(PY) -m rana.demo --out $(DEMO_OUT) $(DEMO_ARGS)
+	$(PY) -m rana.cli.demo --out $(DEMO_OUT) $(DEMO_ARGS)
 
 test: $(STAMP)
 	$(PY) -m pytest -q -p no:cacheprovider $(PYTEST_ARGS)

@@ -68,3 +68,15 @@ def test_demo_reports_user_errors_in_one_line(tmp_path, capsys):
     assert code == 2
     err = capsys.readouterr().err
     assert "unknown model" in err and "Traceback" not in err
+
+
+def test_make_demo_runs_the_demo_module():
+    """The Makefile's demo target runs a module that exists and is the one tested above."""
+    import importlib.util
+    from pathlib import Path
+
+    makefile = (Path(__file__).resolve().parents[1] / "Makefile").read_text()
+    recipe = makefile.split("\ndemo:", 1)[1].split("\n\n", 1)[0]
+    modules = re.findall(r"-m ([\w.]+)", recipe)
+    assert modules == ["rana.cli.demo"], modules
+    assert importlib.util.find_spec(modules[0]) is not None
