@@ -26,6 +26,9 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "benchmarks" / "results"
+sys.path.insert(0, str(ROOT / "tests"))  # the offline byte tokenizer the tests use
+
+from helpers import byte_tokenizer  # noqa: E402
 
 # (name, hidden, intermediate, layers, heads, kv heads, vocab)
 SHAPES = {
@@ -43,19 +46,6 @@ TARGET_MINUTES_7B, TARGET_GPU_GB_7B, TARGET_MINUTES_70B = 10, 40, 60
 def layer_params(hidden: int, inter: int, heads: int, kv: int) -> int:
     head_dim = hidden // heads
     return 2 * hidden * hidden + 2 * hidden * kv * head_dim + 3 * hidden * inter
-
-
-def byte_tokenizer():
-    """Offline byte-level tokenizer (every text round-trips; ids < 257 fit any vocabulary)."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
-
-    vocab = {c: i for i, c in enumerate(sorted(pre_tokenizers.ByteLevel.alphabet()))}
-    vocab["<eos>"] = len(vocab)
-    tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    return PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<eos>")
 
 
 def build_random(folder: Path, shape: tuple, device: str, dtype) -> None:

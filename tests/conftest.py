@@ -19,3 +19,31 @@ def _restore_torch_threads():
     threads = torch.get_num_threads()
     yield
     torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="module")
+def one_thread():
+    """Tiny models run fastest single-threaded: a second intra-op thread only adds sync cost, a lot
+    on a busy machine. Modules opt in with `pytestmark = pytest.mark.usefixtures("one_thread")`."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    """A tiny dense model saved as an HF folder (what the CLI tests compress)."""
+    from helpers import tiny_model_dir
+
+    return tiny_model_dir(tmp_path_factory.mktemp("m") / "tiny")
+
+
+@pytest.fixture(scope="module")
+def calib_file(tmp_path_factory):
+    """20,000 characters of the bundled corpus as a local calibration text."""
+    from rana.data import BUNDLED_CORPUS
+
+    p = tmp_path_factory.mktemp("d") / "calib.txt"
+    p.write_text(BUNDLED_CORPUS.read_text()[:20000])
+    return p

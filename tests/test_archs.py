@@ -16,17 +16,10 @@ from rana.modules import NeuronThresholdLinear, RankAdapterLinear
 from rana.modules.laurel import LaurelConfig, apply_laurel
 from helpers import tiny_calibration, tiny_compress_config, tiny_model
 
+pytestmark = pytest.mark.usefixtures("one_thread")  # tiny models: one thread is fastest
+
 ARCHS = ["llama", "mistral", "qwen2", "gemma", "gemma2", "gemma3_text", "gpt_neox", "phi3"]
 CPU = torch.device("cpu")
-
-
-@pytest.fixture(autouse=True)
-def one_thread():
-    """Tiny matmuls on a shared, oversubscribed CPU run far faster single-threaded."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
 
 
 def _ids(seed=3):

@@ -9,24 +9,9 @@ from typer.testing import CliRunner
 
 from rana.io.card import RecipeError, base_model_id, load_recipe
 from rana.cli.app import app
-from helpers import tiny_model_dir
 
 runner = CliRunner()
 SMALL = ["--calib-tokens", "1024", "--seq-len", "64", "--batch-size", "4", "--grid-step", "0.5"]
-
-
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
-    return tiny_model_dir(tmp_path_factory.mktemp("m") / "tiny")
-
-
-@pytest.fixture(scope="module")
-def calib_file(tmp_path_factory):
-    from rana.data import BUNDLED_CORPUS
-
-    p = tmp_path_factory.mktemp("d") / "calib.txt"
-    p.write_text(BUNDLED_CORPUS.read_text()[:20000])
-    return p
 
 
 @pytest.fixture(scope="module")

@@ -9,25 +9,10 @@ import pytest
 from typer.testing import CliRunner
 
 from rana.cli.app import app
-from helpers import tiny_model_dir
 
 SHARED = Path(__file__).resolve().parents[1] / ".." / "shared" / "data" / "text"
 runner = CliRunner()
 SMALL = ["--calib-tokens", "1024", "--seq-len", "64", "--batch-size", "4"]
-
-
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
-    return tiny_model_dir(tmp_path_factory.mktemp("m") / "tiny")
-
-
-@pytest.fixture(scope="module")
-def calib_file(tmp_path_factory):
-    from rana.data import BUNDLED_CORPUS
-
-    p = tmp_path_factory.mktemp("d") / "calib.txt"
-    p.write_text(BUNDLED_CORPUS.read_text()[:20000])
-    return p
 
 
 def _snapshot(folder: Path) -> dict:

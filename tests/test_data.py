@@ -8,9 +8,9 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 import torch
-from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 from transformers import PreTrainedTokenizerFast
 
+import helpers
 from rana.data import (
     BUNDLED_CORPUS,
     CalibrationData,
@@ -26,12 +26,7 @@ from rana.data import (
 @pytest.fixture(scope="module")
 def byte_tokenizer() -> PreTrainedTokenizerFast:
     """An offline byte-level tokenizer (256 bytes + <eos>), no merges: any text round-trips."""
-    vocab = {c: i for i, c in enumerate(sorted(pre_tokenizers.ByteLevel.alphabet()))}
-    vocab["<eos>"] = len(vocab)
-    tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    return PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<eos>")
+    return helpers.byte_tokenizer()
 
 
 # --------------------------------------------------------------------------- load_texts

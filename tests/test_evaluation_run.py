@@ -16,16 +16,9 @@ from rana.compress import compress_model
 from rana.evaluation import evaluate_model, layer_errors, rank_contributions
 from rana.modules import RankAdapterLinear, SharedRankCode
 
+pytestmark = pytest.mark.usefixtures("one_thread")  # tiny models: one thread is fastest
+
 SEQ = 32
-
-
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    """The tiny models are far faster single-threaded on a shared CPU."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
 
 
 def _tokens(n: int = 2048, seed: int = 3, vocab: int = 128) -> torch.Tensor:

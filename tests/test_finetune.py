@@ -27,6 +27,8 @@ from rana.io import load, save
 from rana.units import parse_tokens
 from rana.modules import NeuronThresholdLinear, RankAdapterLinear, SharedRankCode
 
+pytestmark = pytest.mark.usefixtures("one_thread")  # tiny models: one thread is fastest
+
 ROOT = Path(__file__).resolve().parents[1]
 SMALL = dict(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
              num_key_value_heads=2, max_position_embeddings=256)
@@ -37,15 +39,6 @@ def _compress(model, method: str):
     cfg = CompressConfig(model="x", method=method, flops=0.7, calib_tokens=512, seq_len=32, batch_size=4,
                          search_tokens=128, fit_sample_tokens=256)
     return compress_model(model, None, cfg, SimpleNamespace(fit=ids[:16], heldout=ids[16:]))
-
-
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """Tiny matrices: a second intra-op thread only adds sync cost (a lot on a busy machine)."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 
 @pytest.fixture(scope="module")

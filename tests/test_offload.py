@@ -19,15 +19,9 @@ from rana.compress.streaming import load_lazy
 from rana.units import parse_memory
 from helpers import tiny_calibration, tiny_compress_config, tiny_model
 
+pytestmark = pytest.mark.usefixtures("one_thread")  # tiny models: one thread is fastest
+
 ROOT = Path(__file__).resolve().parents[1]
-
-
-@pytest.fixture(autouse=True)
-def one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
 
 
 def test_parse_memory():

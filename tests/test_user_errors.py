@@ -18,18 +18,12 @@ from typer.testing import CliRunner
 from helpers import tiny_model_dir
 from rana.cli.app import app
 
+pytestmark = pytest.mark.usefixtures("one_thread")  # tiny models: one thread is fastest
+
 runner = CliRunner()
 SMALL = ["--calib-tokens", "1024", "--seq-len", "64", "--batch-size", "4"]
 FT = ["--tokens", "1024", "--seq-len", "32", "--batch-size", "4", "--lora-r", "4", "--eval-tokens", "128",
       "--eval-every", "4", "--save-every", "2"]
-
-
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 
 @pytest.fixture(scope="module")

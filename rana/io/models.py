@@ -127,15 +127,13 @@ def load_model(reference: str, *, dtype: str = "float32", device: str = "cpu", r
     kw = {"gguf_file": src.gguf_file} if src.gguf_file else {}
     if not src.gguf_file and Path(src.path).is_dir():
         check_weight_files(Path(src.path))
-    tokenizer = None
-    if not require_tokenizer:
+    try:
         try:
             tokenizer = AutoTokenizer.from_pretrained(src.path, **kw)
         except Exception:  # noqa: BLE001 - no tokenizer files
+            if require_tokenizer:
+                raise
             tokenizer = None
-    try:
-        if require_tokenizer:
-            tokenizer = AutoTokenizer.from_pretrained(src.path, **kw)
         model, info = AutoModelForCausalLM.from_pretrained(src.path, dtype=DTYPES[dtype], output_loading_info=True, **kw)
     except OSError as e:
         offline = os.environ.get("HF_HUB_OFFLINE") == "1"

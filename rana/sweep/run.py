@@ -18,13 +18,11 @@ from pathlib import Path
 
 import torch
 
-from ..compress import BudgetError, calibration_data, compress_model
-from ..compress import CompressConfig
+from ..compress import BudgetError, CompressConfig, calibration_data, compress_model
 from ..evaluation import Progress, eval_tokens, evaluate_model, ppl_protocol, rank_adapters, rank_contributions, text_labels
 from ..io import save
 from ..io.format import write_json
-from ..io.models import load_model
-from ..io.models import model_inputs
+from ..io.models import load_model, model_inputs
 from ..io.paths import check_output, local_inputs
 from ..methods import METHODS
 from .report import DENSE, describe_point, layer_summary, point_name, write_outputs
@@ -40,22 +38,22 @@ class SweepConfig:
     methods: list[str] = field(default_factory=lambda: ["rana", "cats", "svd", "teal"])
     flops: list[float] = field(default_factory=lambda: [0.85, 0.7, 0.58])
     dense: bool = True
-    dataset: str | None = None
-    dataset_config: str | None = None
-    split: str = "train"
-    text_column: str = "text"
-    calib_tokens: int = 32768
-    seq_len: int = 512
+    dataset: str | None = CompressConfig.dataset
+    dataset_config: str | None = CompressConfig.dataset_config
+    split: str = CompressConfig.split
+    text_column: str = CompressConfig.text_column
+    calib_tokens: int = CompressConfig.calib_tokens
+    seq_len: int = CompressConfig.seq_len
     eval_tokens: int | None = None  # cap per evaluation text (None: whole text)
-    batch_size: int = 8  # calibration forward
+    batch_size: int = CompressConfig.batch_size  # calibration forward
     eval_batch_size: int = 4
     figure_flops: float | None = None  # budget for the per-layer figures (default: the smallest)
     histogram_tokens: int = 2048
-    dtype: str = "float32"
-    device: str = "cpu"
-    grid_step: float = 0.125
-    allocation: str = "uniform"  # CompressConfig.allocation: uniform (paper) or global (per-layer, measured)
-    seed: int = 0
+    dtype: str = CompressConfig.dtype
+    device: str = CompressConfig.device
+    grid_step: float = CompressConfig.grid_step
+    allocation: str = CompressConfig.allocation  # uniform (paper) or global (per-layer, measured)
+    seed: int = CompressConfig.seed
     save_models: bool = False
 
     def __post_init__(self) -> None:
