@@ -244,3 +244,25 @@ def test_cli_refuses_a_bad_protocol_in_one_line(eval_dir, args, needles):
     text = " ".join(res.output[res.output.index("error:"):].split())
     for needle in needles:
         assert needle in text, text
+
+
+# --------------------------------------------------------------------------- sweep
+
+
+def test_sweep_carries_the_preset(eval_dir, tmp_path):
+    from rana.sweep import SweepConfig, run_sweep
+
+    def config(**kw):
+        return SweepConfig(model=str(eval_dir / "tiny"), out=tmp_path / "s", ppl_data=[str(eval_dir / "wiki.test.raw")],
+                           methods=[], dense=True, seq_len=64, **kw)
+
+    assert config().eval_protocol().window == 64 and "ppl_protocol" not in config().eval_settings()  # rana: --seq-len
+    assert config(ppl_protocol="gptq").eval_protocol().window == 2048  # the others keep their own windows
+    with pytest.raises(ValueError, match="unknown --ppl-protocol"):
+        config(ppl_protocol="c4").validate()
+    results = run_sweep(config(ppl_protocol="teal"))
+    assert results["protocol"].startswith("teal protocol: ")
+    (point,) = results["points"]
+    r = point["ppl"]["wiki.test"]
+    assert r["ppl_protocol"] == "teal" and r["seq_len"] == 2560 and r["tokens"] == 512 * r["windows"]
+    assert point["flops"]["attention_context"] == 2560
