@@ -31,7 +31,8 @@ def eval_table(results: dict) -> Table:
     rows = results["models"]
     texts = list(dict.fromkeys(t for r in rows for t in r.get("ppl", {})))
     tasks = list(dict.fromkeys(t for r in rows for t in r.get("tasks", {}) or {}))
-    t = Table(title="rana eval" + (f" ({results['ppl_protocol']} perplexity protocol)" if results.get("protocol") else ""))
+    preset = results.get("ppl_protocol") if results.get("protocol") else None
+    t = Table(title="rana eval" + (f" ({preset} perplexity protocol)" if preset else ""))
     cols = ["model", "method", "target", "FLOPs", "GFLOPs/tok", "attn", "mlp", "other"] + [f"ppl {x}" for x in texts]
     for task in tasks:
         m = next((_task_metric(r["tasks"][task]) for r in rows if task in (r.get("tasks") or {})), None)
