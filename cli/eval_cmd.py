@@ -9,6 +9,7 @@ import typer
 from rich.table import Table
 
 from rana.evaluation import evaluate_models
+from rana.evaluation.perplexity import PPL_PRESET_HELP
 
 from .common import LazyProgress, check_inputs, console, friendly, print_wide
 from .common import out as stdout
@@ -30,7 +31,8 @@ def eval_table(results: dict) -> Table:
     rows = results["models"]
     texts = list(dict.fromkeys(t for r in rows for t in r.get("ppl", {})))
     tasks = list(dict.fromkeys(t for r in rows for t in r.get("tasks", {}) or {}))
-    t = Table(title="rana eval")
+    preset = results.get("ppl_protocol") if results.get("protocol") else None
+    t = Table(title="rana eval" + (f" ({preset} perplexity protocol)" if preset else ""))
     cols = ["model", "method", "target", "FLOPs", "GFLOPs/tok", "attn", "mlp", "other"] + [f"ppl {x}" for x in texts]
     for task in tasks:
         m = next((_task_metric(r["tasks"][task]) for r in rows if task in (r.get("tasks") or {})), None)
@@ -82,14 +84,14 @@ def _limit(value: Optional[float]):
     return int(value) if value >= 1 and float(value).is_integer() else value
 
 
-def _check_counts(*, batch_size, eval_tokens, seq_len, latency_tokens, latency_repeats, layer_error_tokens,
+def _check_counts(*, batch_size, eval_tokens, window, latency_tokens, latency_repeats, layer_error_tokens,
                   num_fewshot) -> None:
     for option, value in (("--batch-size", batch_size), ("--latency-tokens", latency_tokens),
                           ("--latency-repeats", latency_repeats)):
         if value < 1:
             raise ValueError(f"{option} must be a positive integer, got {value}")
-    if eval_tokens is not None and eval_tokens < seq_len:
-        raise ValueError(f"--eval-tokens ({eval_tokens}) must be at least one window (--seq-len {seq_len})")
+    if eval_tokens is not None and eval_tokens < window:
+        raise ValueError(f"--eval-tokens ({eval_tokens}) must be at least one perplexity window ({window} tokens)")
     if layer_error_tokens < 2:
         raise ValueError(f"--layer-error-tokens must be at least 2, got {layer_error_tokens}")
     if num_fewshot < 0:
@@ -103,9 +105,10 @@ def register(app: typer.Typer) -> None:
         models: List[str] = typer.Argument(..., help="rana folder(s) or dense model(s): alias, hub id, local folder, .gguf"),
         compare: List[str] = typer.Option([], "--compare", help="more models for the same table (repeatable, or comma list)"),
         ppl_data: List[str] = typer.Option([], "--ppl-data", help="perplexity text (repeatable): local .txt/.raw/.jsonl/.parquet or hub name[:config[:split]]"),
-        seq_len: int = typer.Option(EVAL_DEFAULTS['seq_len'], help="perplexity window length (also the attention context for FLOPs)"),
+        ppl_protocol: str = typer.Option(EVAL_DEFAULTS['ppl_protocol'], help=f"perplexity protocol preset: {PPL_PRESET_HELP}"),
+        seq_len: Optional[int] = typer.Option(EVAL_DEFAULTS['seq_len'], help="perplexity window length, also the attention context for FLOPs (default: the --ppl-protocol preset's; for teal, the context before the 512 scored tokens)"),
         batch_size: int = typer.Option(EVAL_DEFAULTS['batch_size'], help="windows per perplexity forward"),
-        eval_tokens: Optional[int] = typer.Option(None, help="score only the first N tokens of each text (default: all)"),
+        eval_tokens: Optional[int] = typer.Option(None, help="score only the first N tokens of each text's stream (default: all, as every preset)"),
         text_column: str = typer.Option(EVAL_DEFAULTS['text_column'], help="text column for json/parquet/hub data"),
         tasks: Optional[str] = typer.Option(None, help="comma list of lm-eval tasks (hellaswag,lambada_openai; offline: hellaswag_local,lambada_openai_local with --task-data)"),
         include_path: Optional[Path] = typer.Option(None, help="folder of extra lm-eval task YAMLs"),
@@ -133,16 +136,17 @@ def register(app: typer.Typer) -> None:
         check_request(ppl_sources=ppl_data, tasks=task_list, latency=latency, layer_errors=layer_errors)
         if latency_mode not in ("auto", "compiled", "eager"):
             raise ValueError(f"--latency-mode must be auto, compiled or eager, got {latency_mode!r}")
-        if seq_len < 2:
-            raise ValueError(f"--seq-len must be at least 2, got {seq_len}")
-        _check_counts(batch_size=batch_size, eval_tokens=eval_tokens, seq_len=seq_len, latency_tokens=latency_tokens,
+        from rana.evaluation.perplexity import ppl_preset
+
+        window = ppl_preset(ppl_protocol, seq_len).window  # a bad preset name or --seq-len: one line
+        _check_counts(batch_size=batch_size, eval_tokens=eval_tokens, window=window, latency_tokens=latency_tokens,
                       latency_repeats=latency_repeats, layer_error_tokens=layer_error_tokens, num_fewshot=num_fewshot)
         if dtype not in DTYPES:
             raise ValueError(f"--dtype must be one of float32, bfloat16, float16, got '{dtype}'")
         check_device(device)
         lim = _limit(limit)
         # every model, file and output is checked before the first model loads
-        check_inputs(*refs, *([dense] if dense else []), seq_len=seq_len if ppl_data else None, json_out=json_out,
+        check_inputs(*refs, *([dense] if dense else []), seq_len=window if ppl_data else None, json_out=json_out,
                      data=list(ppl_data))
         if task_list:
             check_tasks(task_list, include_path=include_path,
@@ -162,7 +166,8 @@ def register(app: typer.Typer) -> None:
                           + local_inputs(*ppl_data), "--json")
 
         with LazyProgress("eval") as progress:
-            results = evaluate_models(refs, ppl_sources=list(ppl_data), seq_len=seq_len, batch_size=batch_size,
+            results = evaluate_models(refs, ppl_sources=list(ppl_data), ppl_protocol=ppl_protocol, seq_len=seq_len,
+                                      batch_size=batch_size,
                                       max_tokens=eval_tokens, text_column=text_column, tasks=task_list,
                                       include_path=include_path, task_data=task_data, limit=lim,
                                       num_fewshot=num_fewshot, latency=latency, latency_new_tokens=latency_tokens,

@@ -59,6 +59,7 @@ def register(app: typer.Typer) -> None:
         text_column: str = typer.Option(SweepConfig.text_column, help="text column for json/parquet/hub data"),
         calib_tokens: int = typer.Option(SweepConfig.calib_tokens, help="calibration tokens (computed once, shared by all points)"),
         eval_tokens: Optional[int] = typer.Option(None, help="cap on the tokens of each evaluation text (default: all)"),
+        ppl_protocol: str = typer.Option(SweepConfig.ppl_protocol, help="perplexity preset: rana (--seq-len windows) | gptq | teal (as `rana eval --ppl-protocol`)"),
         seq_len: int = typer.Option(SweepConfig.seq_len, help="calibration and perplexity window length"),
         batch_size: int = typer.Option(SweepConfig.batch_size, help="sequences per calibration forward"),
         eval_batch_size: int = typer.Option(SweepConfig.eval_batch_size, help="windows per perplexity forward"),
@@ -78,6 +79,7 @@ def register(app: typer.Typer) -> None:
         config = SweepConfig(model=model, out=out, ppl_data=list(ppl_data), methods=methods.split(","), flops=_floats(flops),
                              dense=dense, dataset=dataset, dataset_config=dataset_config, split=split,
                              text_column=text_column, calib_tokens=calib_tokens, seq_len=seq_len, eval_tokens=eval_tokens,
+                             ppl_protocol=ppl_protocol,
                              batch_size=batch_size, eval_batch_size=eval_batch_size, figure_flops=figure_flops,
                              dtype=dtype, device=device, grid_step=grid_step, allocation=allocation, seed=seed,
                              save_models=save_models)
@@ -87,7 +89,8 @@ def register(app: typer.Typer) -> None:
         from rana.io.paths import check_output, local_inputs
 
         check_output(out, model_inputs(model) + local_inputs(dataset, *ppl_data), resumable=("sweep folder",))
-        check_inputs(model, seq_len=seq_len, out=out, out_inside=True, data=list(ppl_data))  # fail fast
+        check_inputs(model, seq_len=max(seq_len, config.eval_protocol().window), out=out, out_inside=True,
+                     data=list(ppl_data))  # fail fast
         check_source(dataset, "--dataset")
         try:
             with LazyProgress("sweep") as progress:

@@ -59,6 +59,7 @@ def load_texts(
     split: str = "train",
     text_column: str = "text",
     max_chars: int | None = None,
+    keep_empty: bool = False,
 ) -> list[str]:
     """Read documents from the bundled corpus, a local file/folder, or a hub dataset.
 
@@ -67,7 +68,8 @@ def load_texts(
     one document per row of `text_column`. A folder reads every supported file in it,
     recursively, in sorted order. Anything else that is not an existing path is treated
     as a hub dataset name, loaded with `load_dataset(source, config, split=split)`.
-    Empty documents are dropped; `max_chars` truncates the total text.
+    Empty documents are dropped (kept with `keep_empty`, for protocols that join rows as they
+    are); `max_chars` truncates the total text.
     """
     if source is None:
         source = BUNDLED_CORPUS
@@ -80,10 +82,10 @@ def load_texts(
     else:
         texts = _load_hub(str(source), config, split, text_column)
         origin = f"hub dataset {source!r}" + (f" ({config}, split {split})" if config else f" (split {split})")
-    texts = [t for t in texts if isinstance(t, str) and t.strip()]
+    texts = [t for t in texts if isinstance(t, str) and (keep_empty or t.strip())]
     if max_chars is not None:
         texts = _truncate_chars(texts, max_chars)
-    if not texts:
+    if not any(t.strip() for t in texts):
         raise DataError(f"no text found in {origin} (column {text_column!r}); pass a source with non-empty text")
     return texts
 

@@ -17,21 +17,30 @@ import torch
 import torch.nn as nn
 
 from ..accounting import measured_macs, metering
-from ..data import DataError, eval_windows
+from ..data import DataError
 from ..io.models import LoadedModel, load_model, open_model
 from . import diagnostics
 from .common import Progress
 from .harness import lm_eval_tasks
 from .latency import measure_latency
-from .perplexity import combine_flops, eval_tokens, labelled_sources, perplexity, ppl_protocol, summarize_flops
+from .perplexity import (PplProtocol, combine_flops, eval_tokens, labelled_sources, perplexity, ppl_preset,
+                         protocol_tokens, summarize_flops, window_starts)
+from .perplexity import ppl_protocol as describe_protocol
 
 # --------------------------------------------------------------------------- perplexity with the meters on
 
 
 def metered_perplexity(model: nn.Module, tokens: torch.Tensor, *, seq_len: int = 512, batch_size: int = 4,
-                       progress: Progress | None = None, label: str = "perplexity") -> tuple[dict, dict]:
-    """Perplexity (standard protocol) with the adapters' meters on: (ppl result, FLOP block)."""
-    n_windows = len(eval_windows(tokens, seq_len))
+                       progress: Progress | None = None, label: str = "perplexity",
+                       protocol: PplProtocol | None = None) -> tuple[dict, dict]:
+    """Perplexity under `protocol` (default: `rana` with `seq_len`-token windows) with the adapters'
+    meters on: (ppl result, FLOP block).
+
+    The meters see every token of every window the protocol runs (with `teal`'s overlapping windows a
+    token is run once per window it is in), and attention products are counted at the window length:
+    each run token attends to the positions before it in its window, (window + 1) / 2 on average."""
+    protocol = protocol or ppl_preset("rana", seq_len)
+    n_windows = len(window_starts(tokens.numel(), protocol))
     done = [0]
 
     def on_batch(ids):
@@ -40,8 +49,8 @@ def metered_perplexity(model: nn.Module, tokens: torch.Tensor, *, seq_len: int =
             progress(label, done[0], n_windows)
 
     with metering(model):
-        result = perplexity(model, tokens, seq_len=seq_len, batch_size=batch_size, progress=False, on_batch=on_batch)
-        flops = summarize_flops(measured_macs(model, seq_len), result["windows"] * seq_len)
+        result = perplexity(model, tokens, batch_size=batch_size, progress=False, on_batch=on_batch, protocol=protocol)
+        flops = summarize_flops(measured_macs(model, protocol.window), result["windows"] * protocol.window)
     return result, flops
 
 
@@ -53,7 +62,8 @@ def evaluate_model(
     tokenizer,
     *,
     ppl_sources=None,
-    seq_len: int = 512,
+    ppl_protocol: str = "rana",
+    seq_len: int | None = None,
     batch_size: int = 4,
     max_tokens: int | None = None,
     text_column: str = "text",
@@ -75,12 +85,14 @@ def evaluate_model(
     """Evaluate one in-memory model; returns a JSON-ready dict.
 
     - `ppl_sources`: texts to measure perplexity on — paths / hub names (`name[:config[:split]]`)
-      or pre-tokenised 1-D streams, as a list or a {label: source} mapping. Each is truncated to
-      `max_tokens` tokens and scored with `perplexity.perplexity` (non-overlapping `seq_len`
-      windows, tail dropped, all tokens but the first of each window).
+      or pre-tokenised 1-D streams (used as given), as a list or a {label: source} mapping. Each is
+      truncated to `max_tokens` tokens and scored with `perplexity.perplexity` under the preset
+      `ppl_protocol` (`rana`: non-overlapping `seq_len` windows, tail dropped, all tokens but the
+      first of each window; `gptq`, `teal`: see `perplexity.PPL_PRESETS`). `seq_len` (None: the
+      preset's) replaces the window length of `rana` / `gptq` and the context of `teal`.
     - FLOPs are *measured*: the meters of every adapter are on during those perplexity passes, so
-      `flops` is the average per-token cost of the masks actually taken on the evaluation tokens
-      (attention products counted at `seq_len` context, docs/method.md §3), overall and per text.
+      `flops` is the average per-token cost of the masks actually taken on the tokens of every window
+      run (attention products counted at the window length, docs/method.md §3), overall and per text.
     - `tasks`: lm-eval task names; `include_path` adds task YAMLs, `task_data` renders the
       bundled offline `*_local` tasks from that data folder.
     - `latency`: batch-1 decode speed; with `dense_model`, timed interleaved with it under the same
@@ -88,7 +100,9 @@ def evaluate_model(
       CUDA, eager elsewhere) and reported as a ratio, next to the measured FLOP fraction F (when
       perplexity was measured) and the memory-bound limit 1/F of the speed-up.
     """
-    result: dict[str, Any] = {"name": name, "seq_len": seq_len, "max_tokens_per_text": max_tokens}
+    protocol = ppl_preset(ppl_protocol, seq_len)
+    result: dict[str, Any] = {"name": name, "seq_len": protocol.window, "max_tokens_per_text": max_tokens,
+                              "ppl_protocol": protocol.name}
     if plan:
         result["method"] = plan.get("method")
         result["target_flops"] = plan.get("target_flops")
@@ -99,22 +113,23 @@ def evaluate_model(
     sources = labelled_sources(ppl_sources)
     ppl, flop_blocks, per_text = {}, [], {}
     for label, source in sources:
-        tokens = source if isinstance(source, torch.Tensor) else eval_tokens(source, tokenizer, max_tokens=max_tokens,
-                                                                               text_column=text_column)
+        tokens = source if isinstance(source, torch.Tensor) else protocol_tokens(
+            source, tokenizer, protocol, max_tokens=max_tokens, text_column=text_column)
         if isinstance(source, torch.Tensor) and max_tokens is not None:
             tokens = tokens[:max_tokens]
-        if tokens.numel() < seq_len:
-            raise DataError(f"evaluation text '{label}' has {tokens.numel()} tokens, fewer than one window of "
-                            f"--seq-len {seq_len}; pass more text or a smaller --seq-len")
-        r, fl = metered_perplexity(model, tokens, seq_len=seq_len, batch_size=batch_size, progress=progress,
-                                   label=f"ppl {label}")
+        if tokens.numel() < protocol.window:
+            raise DataError(f"evaluation text '{label}' has {tokens.numel()} tokens, fewer than one "
+                            f"{protocol.window}-token window of the {protocol.name} perplexity protocol; pass more "
+                            "text or a smaller --seq-len")
+        r, fl = metered_perplexity(model, tokens, batch_size=batch_size, progress=progress, label=f"ppl {label}",
+                                   protocol=protocol)
         r["source"] = str(source) if not isinstance(source, torch.Tensor) else "token ids"
         ppl[label] = r
         flop_blocks.append(fl)
         per_text[label] = fl["fraction"]
     result["ppl"] = ppl
     if sources:
-        result["protocol"] = ppl_protocol(seq_len, max_tokens)
+        result["protocol"] = describe_protocol(protocol, max_tokens)
         flops = combine_flops(flop_blocks)
         flops["per_text"] = per_text
         flops["measured_on"] = f"{flops['tokens']} evaluation tokens ({', '.join(ppl)})"
@@ -159,7 +174,8 @@ def evaluate_models(
     refs: Sequence[str | Path],
     *,
     ppl_sources: Sequence[str | Path] = (),
-    seq_len: int = 512,
+    ppl_protocol: str = "rana",
+    seq_len: int | None = None,
     batch_size: int = 4,
     max_tokens: int | None = None,
     text_column: str = "text",
@@ -181,8 +197,9 @@ def evaluate_models(
     log: Callable[[str], None] | None = None,
 ) -> dict:
     """Evaluate every model in `refs` (rana folders or dense references) the same way; returns
-    `{"models": [one evaluate_model row per ref], "seq_len", "eval_tokens", "protocol"}`, what
-    `rana eval` tabulates and writes with `--json`.
+    `{"models": [one evaluate_model row per ref], "seq_len", "eval_tokens", "ppl_protocol", "protocol"}`,
+    what `rana eval` tabulates and writes with `--json`. `ppl_protocol` names the perplexity preset
+    (rana | gptq | teal); `seq_len` (None: the preset's) overrides its window (see `evaluate_model`).
 
     Each row also carries `reference`, `kind` ("rana" | "dense") and `dense_reference`. The dense
     model (`dense`; default: the one each rana folder's plan names, a dense ref being its own) is
@@ -191,6 +208,7 @@ def evaluate_models(
     consecutive models share it. Models are loaded one at a time.
     """
     check_request(ppl_sources=ppl_sources, tasks=tasks, latency=latency, layer_errors=layer_errors)
+    protocol = ppl_preset(ppl_protocol, seq_len)
     refs = [str(r) for r in refs]
     log = log or (lambda msg: None)
     dense_cache: dict[str, nn.Module] = {}
@@ -216,7 +234,8 @@ def evaluate_models(
         if loaded.tokenizer is None:
             raise ValueError(f"'{ref}' has no tokenizer and plan.json names no model to take it from")
         dense_model = dense_for(loaded) if (latency or layer_errors) else None
-        row = evaluate_model(loaded.model, loaded.tokenizer, ppl_sources=list(ppl_sources), seq_len=seq_len,
+        row = evaluate_model(loaded.model, loaded.tokenizer, ppl_sources=list(ppl_sources), ppl_protocol=ppl_protocol,
+                             seq_len=seq_len,
                              batch_size=batch_size, max_tokens=max_tokens, text_column=text_column,
                              tasks=list(tasks), include_path=include_path, task_data=task_data, limit=limit,
                              num_fewshot=num_fewshot, latency=latency, dense_model=dense_model,
@@ -226,7 +245,7 @@ def evaluate_models(
         row["dense_reference"] = dense or loaded.dense_reference
         if layer_errors:
             tokens = eval_tokens(ppl_sources[0], loaded.tokenizer, max_tokens=layer_error_tokens, text_column=text_column)
-            row["layer_errors"] = diagnostics.layer_errors(loaded.model, dense_model, tokens, seq_len=seq_len,
+            row["layer_errors"] = diagnostics.layer_errors(loaded.model, dense_model, tokens, seq_len=protocol.window,
                                                            batch_size=batch_size, max_tokens=layer_error_tokens)
             row["layer_errors_on"] = f"first {layer_error_tokens} tokens of {ppl_sources[0]}"
         rows.append(row)
@@ -234,5 +253,5 @@ def evaluate_models(
         gc.collect()
         if progress:
             progress("models", i + 1, len(refs))
-    return {"models": rows, "seq_len": seq_len, "eval_tokens": max_tokens,
-            "protocol": ppl_protocol(seq_len, max_tokens) if ppl_sources else None}
+    return {"models": rows, "seq_len": protocol.window, "eval_tokens": max_tokens, "ppl_protocol": protocol.name,
+            "protocol": describe_protocol(protocol, max_tokens) if ppl_sources else None}

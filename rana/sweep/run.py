@@ -19,7 +19,8 @@ from pathlib import Path
 import torch
 
 from ..compress import BudgetError, CompressConfig, calibration_data, compress_model
-from ..evaluation import Progress, eval_tokens, evaluate_model, ppl_protocol, rank_adapters, rank_contributions, text_labels
+from ..evaluation import Progress, evaluate_model, ppl_protocol, rank_adapters, rank_contributions, text_labels
+from ..evaluation.perplexity import PplProtocol, ppl_preset, protocol_tokens
 from ..io import save
 from ..io.format import write_json
 from ..io.models import load_model, model_inputs
@@ -45,6 +46,7 @@ class SweepConfig:
     calib_tokens: int = CompressConfig.calib_tokens
     seq_len: int = CompressConfig.seq_len
     eval_tokens: int | None = None  # cap per evaluation text (None: whole text)
+    ppl_protocol: str = "rana"  # perplexity preset: rana (seq_len windows) | gptq | teal (their own windows)
     batch_size: int = CompressConfig.batch_size  # calibration forward
     eval_batch_size: int = 4
     figure_flops: float | None = None  # budget for the per-layer figures (default: the smallest)
@@ -80,8 +82,9 @@ class SweepConfig:
             raise ValueError("pass at least one --ppl-data text to evaluate on (never the calibration text)")
         if self.eval_batch_size < 1:
             raise ValueError(f"--eval-batch-size must be a positive integer, got {self.eval_batch_size}")
-        if self.eval_tokens is not None and self.eval_tokens < self.seq_len:
-            raise ValueError(f"--eval-tokens ({self.eval_tokens}) must be at least one window (--seq-len {self.seq_len})")
+        window = self.eval_protocol().window
+        if self.eval_tokens is not None and self.eval_tokens < window:
+            raise ValueError(f"--eval-tokens ({self.eval_tokens}) must be at least one perplexity window ({window} tokens)")
         if self.figure_flops is not None and self.methods and not any(abs(self.figure_flops - f) < 1e-9 for f in self.flops):
             raise ValueError(f"--figure-flops {self.figure_flops} is not one of the --flops budgets")
         self.compress_config(self.methods[0] if self.methods else "rana", self.flops[0] if self.flops else 1.0).validate()
@@ -93,10 +96,17 @@ class SweepConfig:
                               dtype=self.dtype, device=self.device, grid_step=self.grid_step, seed=self.seed,
                               allocation=self.allocation)
 
+    def eval_protocol(self) -> PplProtocol:
+        """The perplexity protocol: `rana` windows are `seq_len` long, the other presets keep their own."""
+        return ppl_preset(self.ppl_protocol, self.seq_len if self.ppl_protocol == "rana" else None)
+
     def eval_settings(self) -> dict:
         """What a point's evaluation depends on (a stored point is reused only if these match)."""
-        return {"model": self.model, "ppl_data": self.ppl_data, "eval_tokens": self.eval_tokens,
-                "seq_len": self.seq_len, "dtype": self.dtype}
+        settings = {"model": self.model, "ppl_data": self.ppl_data, "eval_tokens": self.eval_tokens,
+                    "seq_len": self.seq_len, "dtype": self.dtype}
+        if self.ppl_protocol != "rana":  # points stored before presets existed stay valid for rana
+            settings["ppl_protocol"] = self.ppl_protocol
+        return settings
 
     def compress_settings(self) -> dict:
         """What a point's compression depends on, besides method and budget."""
@@ -148,7 +158,9 @@ class Sweep:
     def tokens(self) -> dict[str, torch.Tensor]:
         if self._tokens is None:
             _, tok = self.model()
-            self._tokens = {name: eval_tokens(src, tok, max_tokens=self.cfg.eval_tokens, text_column=self.cfg.text_column)
+            protocol = self.cfg.eval_protocol()
+            self._tokens = {name: protocol_tokens(src, tok, protocol, max_tokens=self.cfg.eval_tokens,
+                                                  text_column=self.cfg.text_column)
                             for name, src in zip(self.texts, self.cfg.ppl_data)}
         return self._tokens
 
@@ -181,7 +193,8 @@ class Sweep:
 
     def _evaluate(self, model) -> dict:
         _, tok = self.model()
-        return evaluate_model(model, tok, ppl_sources=self.tokens(), seq_len=self.cfg.seq_len,
+        return evaluate_model(model, tok, ppl_sources=self.tokens(), ppl_protocol=self.cfg.ppl_protocol,
+                              seq_len=self.cfg.seq_len if self.cfg.ppl_protocol == "rana" else None,
                               batch_size=self.cfg.eval_batch_size, progress=self.progress)
 
     def _run_dense(self) -> dict:
@@ -265,7 +278,7 @@ class Sweep:
             "texts": self.texts,
             "text_sources": dict(zip(self.texts, cfg.ppl_data)),
             "eval_tokens_used": tokens,
-            "protocol": ppl_protocol(cfg.seq_len, cfg.eval_tokens),
+            "protocol": ppl_protocol(cfg.eval_protocol(), cfg.eval_tokens),
             "calibration": {"dataset": cfg.dataset or "bundled corpus", "tokens": cfg.calib_tokens, "seq_len": cfg.seq_len},
             "figure_flops": cfg.figure_budget(),
             "points": points,
