@@ -3,8 +3,9 @@
 For one decode token the first sibling called with an input `x` runs every sibling's masked GEMV in
 one `decode_masked_grouped` call (one Triton launch on CUDA: per-projection inputs, thresholds,
 scales and biases, one mask mode) and keeps the outputs, by the identity of `x`, until the last
-sibling took its own. A sibling called with another tensor, several tokens, while training or
-metering, or with a peft-wrapped child (so LoRA is never skipped) takes its own path.
+sibling took its own; a call with another tensor starts a new grouped call (outputs are never mixed
+up, at worst computed twice). Several tokens, training, metering, gradients or a peft-wrapped
+child (so LoRA is never skipped) send every member its own path.
 
 Which siblings share an input comes from the architecture (`spec.qkv_paths()`, the gate and up of
 `spec.mlp_paths()`; any object with those methods and `layers` serves, so exported models pass
