@@ -310,6 +310,11 @@ def test_compress_links_and_records_the_sparsity_bin(tmp_path):
 
     cfg = tmp_path / "r" / "rana_config.json"
     meta = json.loads(cfg.read_text())
+    bad = json.loads(cfg.read_text())
+    bad["adapters"][0]["active_fraction"] = 1.5
+    cfg.write_text(json.dumps(bad))
+    with pytest.raises(rio.ModelLoadError, match="'active_fraction' must be a number in \\[0, 1\\], got 1.5"):
+        rio.load(tmp_path / "r")
     for s in meta["adapters"]:
         s.pop("active_fraction")
     cfg.write_text(json.dumps(meta))

@@ -158,6 +158,9 @@ def read_meta(path: Path) -> dict:
                     threshold_from_json(a.get("threshold"))
                 except ValueError as e:
                     raise ValueError(f"adapter '{a['path']}': {e}") from None
+            f = a.get("active_fraction")  # optional (the decode kernels' sparsity bin); older folders lack it
+            if f is not None and (isinstance(f, bool) or not isinstance(f, (int, float)) or not 0.0 <= f <= 1.0):
+                raise ValueError(f"adapter '{a['path']}': 'active_fraction' must be a number in [0, 1], got {f!r}")
     except OSError as e:
         raise ModelLoadError(f"cannot read '{file}': {e.strerror or e}") from None
     except (ValueError, UnicodeDecodeError) as e:
