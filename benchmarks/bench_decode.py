@@ -397,7 +397,7 @@ def write_report(records: dict, device, args, env: str | None = None) -> None:
     if compiled:
         lines += ["", "## Compilation (first generate of each model: its decode step compiled by inductor)", "",
                   "| model | first run s | graphs compiled (nodes) | rana ops in the graph | greedy tokens equal to eager |",
-                  "|---|---|---|---|---|---|"]
+                  "|---|---|---|---|---|"]
         for name, c in records.get("compile", {}).items():
             label = "dense" if name == "dense" else f"F={float(name):.2f}"
             ops_ = ", ".join(f"`{k}` ×{v}" for k, v in sorted(c["rana_ops"].items())) or "—"
