@@ -21,11 +21,21 @@ Two measurements per budget F, both *ratios to the dense model timed interleaved
 
 `--threads N` (CPU, default 1) writes decode_cpu_Nthreads.{md,json} when N > 1.
 
+`--harness compiled` times both models the way transformers' fast path decodes: `generate` with a
+fresh StaticCache per run and the single-token decode step compiled (`torch.compile(fullgraph=True)`,
+inductor; the masked modules run as the rana torch.library ops, q/k/v and gate/up as grouped calls).
+Dense is compiled and timed the same way, interleaved. End to end only (a wall clock around each
+module cannot sit inside a compiled graph); the first (compiling) run of each model is timed and
+reported. Writes decode_cpu_compiled[_Nthreads].{md,json}.
+
+    python benchmarks/bench_decode.py --harness compiled --from 0.70=DIR 0.58=DIR --new-tokens 32
+
 `--profile` adds the top torch ops of one decode step of the dense and the most compressed model.
 """
 from __future__ import annotations
 
 import argparse
+import copy
 import datetime as _dt
 import json
 import platform
@@ -361,6 +371,9 @@ def write_report(records: dict, device, args, env: str | None = None) -> None:
     RESULTS.mkdir(parents=True, exist_ok=True)
     tag = "gpu" if device.type == "cuda" else "cpu"
     stem = f"decode_{tag}" if tag == "gpu" or args.threads == 1 else f"decode_cpu_{args.threads}threads"
+    compiled = records.get("harness", "eager") == "compiled"
+    if compiled:
+        stem = stem.replace(f"decode_{tag}", f"decode_{tag}_compiled")
     records.setdefault("env", env or _env(device))
     records.setdefault("args", {k: v for k, v in vars(args).items() if k not in ("render", "notes")})
     (RESULTS / f"{stem}.json").write_text(json.dumps(records, indent=1, default=float) + "\n")
@@ -370,6 +383,10 @@ def write_report(records: dict, device, args, env: str | None = None) -> None:
              f"- end to end: `rana.evaluation.latency_ratio`, prompt {records['prompt_tokens']} tokens, "
              f"{args.new_tokens} new tokens, median of {args.repeats} runs after {args.warmup} warm-up, compressed and "
              "dense interleaved in the same run. ratio = compressed / dense seconds per token (< 1 is faster).",
+             ("- harness: compiled — `generate` with a fresh `StaticCache` per run, transformers compiling the "
+              "single-token decode step with `torch.compile(fullgraph=True)` (inductor, mode \"default\" on CPU); "
+              "dense compiled and timed the same way" if compiled else
+              "- harness: eager `generate` (dynamic cache)"),
              "", "## End to end", "",
              "| F target | F measured | dense tok/s | compressed tok/s | latency ratio | decode-only ratio | speedup | "
              "1/F |", "|---|---|---|---|---|---|---|---|"]
@@ -377,6 +394,32 @@ def write_report(records: dict, device, args, env: str | None = None) -> None:
         lines.append(f"| {r['flops']:.2f} | {r['measured_flops']:.3f} | {r['dense_tokens_per_s']:.1f} | "
                      f"{r['tokens_per_s']:.1f} | {r['latency_ratio']:.3f} | {r['decode_latency_ratio']:.3f} | "
                      f"{r['speedup']:.2f}× | {1 / r['measured_flops']:.2f}× |")
+    if compiled:
+        lines += ["", "## Compilation (first generate of each model: its decode step compiled by inductor)", "",
+                  "| model | first run s | graphs compiled (nodes) | rana ops in the graph | greedy tokens equal to eager |",
+                  "|---|---|---|---|---|"]
+        for name, c in records.get("compile", {}).items():
+            label = "dense" if name == "dense" else f"F={float(name):.2f}"
+            ops_ = ", ".join(f"`{k}` ×{v}" for k, v in sorted(c["rana_ops"].items())) or "—"
+            lines.append(f"| {label} | {c['first_run_s']:.0f} | {len(c['graph_nodes'])} ({'/'.join(map(str, c['graph_nodes']))}) | "
+                         f"{ops_} | first {c['tokens_equal_eager']} of {c['new_tokens']} |")
+    if records["units"]:
+        lines += _unit_lines(records, args, tag)
+    if records.get("profile"):
+        lines += ["", "## Profile of decode steps (self time per generated token, top ops)", ""]
+        for name, ops in records["profile"].items():
+            lines += [f"### {name}", "", "| op | calls/token | self µs/token | share |", "|---|---|---|---|"]
+            lines += [f"| `{o['op']}` | {o['calls_per_token']:.0f} | {o['self_us_per_token']:.0f} | {100 * o['share']:.1f}% |"
+                      for o in ops]
+            lines.append("")
+    if args.notes:
+        lines += ["", "## Notes", "", Path(args.notes).read_text().strip()]
+    (RESULTS / f"{stem}.md").write_text("\n".join(lines) + "\n")
+    print(f"wrote {RESULTS / f'{stem}.md'}", flush=True)
+
+
+def _unit_lines(records: dict, args, tag: str) -> list[str]:
+    lines = []
     lines += ["", "## Per adapted unit (mean over layers)", "",
               (f"Time per token of each unit's modules measured inside real greedy decoding ({args.new_tokens} "
                f"tokens, weights streamed from memory as in use), compressed and dense generations alternating "
@@ -401,17 +444,50 @@ def write_report(records: dict, device, args, env: str | None = None) -> None:
             if r["layer"] in (0, n_layers // 2, n_layers - 1):
                 lines.append(f"| {float(f):.2f} | {r['layer']} | {r['unit']} | {r['flop_fraction']:.3f} | {r['dense_us']:.1f} | "
                              f"{r['us']:.1f} | {r['speedup']:.2f}× | {r['ideal_speedup']:.2f}× | {r['efficiency']:.2f} |")
-    if records.get("profile"):
-        lines += ["", "## Profile of decode steps (self time per generated token, top ops)", ""]
-        for name, ops in records["profile"].items():
-            lines += [f"### {name}", "", "| op | calls/token | self µs/token | share |", "|---|---|---|---|"]
-            lines += [f"| `{o['op']}` | {o['calls_per_token']:.0f} | {o['self_us_per_token']:.0f} | {100 * o['share']:.1f}% |"
-                      for o in ops]
-            lines.append("")
-    if args.notes:
-        lines += ["", "## Notes", "", Path(args.notes).read_text().strip()]
-    (RESULTS / f"{stem}.md").write_text("\n".join(lines) + "\n")
-    print(f"wrote {RESULTS / f'{stem}.md'}", flush=True)
+    return lines
+
+
+# ------------------------------------------------------------------------------------ compiled harness
+@torch.no_grad()
+def compile_check(model, ids: torch.Tensor, new_tokens: int) -> dict:
+    """Compile `model`'s decode step as the compiled harness does (its first generate) and say what was
+    traced: seconds of that first run, the graphs, the rana ops in them, and how many of its greedy tokens
+    equal the eager ones (a masked model's tokens may part after a while: inductor's fused kernels round
+    differently, and a score that lands on the other side of a threshold changes the mask). A graph
+    break raises (fullgraph=True)."""
+    from transformers import StaticCache
+
+    from rana.evaluation.latency import generation_config
+
+    eager = model.generate(ids, attention_mask=torch.ones_like(ids),
+                           generation_config=generation_config(model, new_tokens, "eager", ids.device))
+    seen: dict[str, int] = {}
+    graphs = []
+
+    def recording(gm, example_inputs):
+        graphs.append(len(gm.graph.nodes))
+        for n in gm.graph.nodes:
+            if "rana" in str(n.target):
+                name = str(n.target).removesuffix(".default")
+                seen[name] = seen.get(name, 0) + 1
+        from torch._inductor.compile_fx import compile_fx
+
+        return compile_fx(gm, example_inputs)
+
+    config = generation_config(model, new_tokens, "compiled", ids.device)
+    harness_config = config.compile_config
+    config.compile_config = copy.copy(harness_config)
+    config.compile_config.backend = recording  # inductor, as the harness, plus a look at the graph
+    cache = StaticCache(config=model.config, max_cache_len=ids.shape[1] + new_tokens)
+    start = time.perf_counter()
+    out = model.generate(ids, attention_mask=torch.ones_like(ids), generation_config=config, past_key_values=cache)
+    seconds = time.perf_counter() - start
+    model._last_compile_config = harness_config  # the harness reuses this compiled step (same inductor code)
+    new_compiled, new_eager = out[0, ids.shape[1]:], eager[0, ids.shape[1]:]
+    same = int((new_compiled != new_eager).nonzero()[0, 0]) if not torch.equal(new_compiled, new_eager) else len(new_eager)
+    # graph_nodes is the backend's own list: graphs compiled later (recompiles in the timed runs) show there too
+    return {"first_run_s": seconds, "graph_nodes": graphs, "rana_ops": dict(seen),
+            "tokens_equal_eager": same, "new_tokens": len(new_eager)}
 
 
 # ------------------------------------------------------------------------------------ main
@@ -425,14 +501,22 @@ def run_device(device, dense, models, tokenizer, args) -> dict:
     records = {"device": str(device), "prompt_tokens": int(ids.shape[1]), "new_tokens": args.new_tokens,
                "kernel": native_status(),
                "threads": torch.get_num_threads(), "end_to_end": [], "units": {}, "units_summary": {}}
+    records["harness"] = args.harness
+    if args.harness == "compiled":
+        records["compile"] = {"dense": compile_check(dense, ids.to(device), args.new_tokens)}
     for f, (model, plan) in models.items():
         model = model.to(device)
+        if args.harness == "compiled":
+            records["compile"][str(f)] = compile_check(model, ids.to(device), args.new_tokens)
         r = latency_ratio(model, dense, ids.to(device), new_tokens=args.new_tokens, warmup=args.warmup,
-                          repeats=args.repeats)
+                          repeats=args.repeats, mode=args.harness)
         r.update(flops=f, measured_flops=plan.get("measured_flops", float("nan")))
         records["end_to_end"].append(r)
         print(f"[{device}] F={f}: {r['tokens_per_s']:.1f} vs dense {r['dense_tokens_per_s']:.1f} tok/s, "
               f"ratio {r['latency_ratio']:.3f} (decode only {r['decode_latency_ratio']:.3f})", flush=True)
+        if args.harness == "compiled":
+            model.to("cpu")
+            continue
         units = _units(model)
         if device.type == "cpu":
             rows = unit_timings_in_decode(model, dense, ids, units, args.new_tokens, args.rounds)
@@ -469,6 +553,8 @@ def main(argv=None) -> None:
                    help="torch CPU threads (default 1: batch-1 GEMVs of a 135M model gain little from more, and on a "
                         "shared machine OpenMP threads waiting for a busy core distort timings)")
     p.add_argument("--device", choices=("cpu", "cuda", "all"), default="all")
+    p.add_argument("--harness", choices=("eager", "compiled"), default="eager",
+                   help="eager generate (dynamic cache), or static cache + compiled decode step (end to end only)")
     p.add_argument("--profile", action="store_true", help="add per-op profiles of decode steps (CPU)")
     p.add_argument("--notes", help="markdown file appended to the report as a Notes section")
     p.add_argument("--compress-only", action="store_true", help="only compress and save (needs --save-dir)")

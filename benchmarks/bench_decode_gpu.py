@@ -90,12 +90,12 @@ def compressed_layers(shape: dict, budget: float, n_layers: int, dtype, device, 
 
 def rana_model(dense, layers):
     """A copy of `dense` whose decoder layers are copies of the compressed `layers`, repeated in turn."""
-    from rana.modules.rank_linear import relink_shared_codes
+    from rana.modules import relink
 
     model = copy.deepcopy(dense)
     for i in range(len(model.model.layers)):
         layer = copy.deepcopy(layers[i % len(layers)])
-        relink_shared_codes(layer)  # each copy's q/k/v must use its own code (and so its own weights)
+        relink(layer)  # each copy's q/k/v (shared code, or grouped siblings) and gate/up use their own weights
         layer.self_attn.layer_idx = i
         model.model.layers[i] = layer
     return model.eval()

@@ -36,9 +36,10 @@ import torch
 
 from .cpu_gemv import MODE_IDS, masked_linear_native
 from .masked_gemv import masked_gemv_dense, masked_gemv_torch
-from .triton_gemv import grouped_masked_gemv_triton, interpreting, kernels, triton_available
+from .triton_gemv import grouped_masked_gemv_triton, interpreting, kernels, sparsity_bin, triton_available
 
-__all__ = ["decode_masked", "decode_masked_grouped", "masked_gemv_impl", "HAS_TRITON", "OP_NAMES", "MODES"]
+__all__ = ["decode_masked", "decode_masked_grouped", "masked_gemv_impl", "sparsity_bin", "DEFAULT_SPARSITY_BIN",
+           "HAS_TRITON", "OP_NAMES", "MODES"]
 
 MODES = ("none", "square", "abs_scaled", "abs")
 DEFAULT_SPARSITY_BIN = 2  # active fraction ≈ 0.5: the Triton tuning key when a module gives no hint

@@ -199,9 +199,10 @@ EXPORTED = textwrap.dedent(r'''
     from decode_harness import compiled_matches
 
     model = AutoModelForCausalLM.from_pretrained(folder, trust_remote_code=True).eval()
+    linked = [n for n, m in model.named_modules() if getattr(m, "_decode_group", None) is not None]
     seen = compiled_matches(model)
     assert not any(m.split(".")[0] in ("rana", "triton") for m in sys.modules), "rana or triton imported"
-    json.dump(sorted(seen), open(out, "w"))
+    json.dump({"seen": sorted(seen), "linked": linked}, open(out, "w"))
 ''')
 
 
@@ -217,17 +218,21 @@ def test_exported_model_compiles_in_fresh_process(tmp_path):
     proc = subprocess.run([sys.executable, "-I", str(script), str(out), str(result), str(Path(__file__).parent)],
                           cwd=tmp_path, env=isolated_env(tmp_path), capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-6000:]
-    assert json.loads(result.read_text()) == ["rana.masked_gemv", "rana.masked_gemv_grouped"]
+    result = json.loads(result.read_text())
+    assert result["seen"] == ["rana.masked_gemv", "rana.masked_gemv_grouped"]
+    # gate/up rank adapters decode as one group in the exported model too (linked by its shipped spec)
+    assert result["linked"] == [f"model.layers.{i}.mlp.{p}" for i in range(2) for p in ("gate_proj", "up_proj")]
 
 
 def test_relink_after_deepcopy():
     import copy
 
-    from rana.modules.rank_linear import RankSliceLinear, relink_shared_codes
+    from rana.modules import relink
+    from rana.modules.rank_linear import RankSliceLinear
 
     layer = rana_adapted().model.layers[0]
     twin = copy.deepcopy(layer)
-    assert relink_shared_codes(twin) == 1
+    assert relink(twin) == 1  # the shared code (gate/up are not linked: adapt_like_rana installs them by hand)
     code = twin.self_attn.qkv_code
     slices = [m for m in twin.self_attn.children() if isinstance(m, RankSliceLinear)]
     assert [s._code() for s in slices] == [code] * 3 and [r() for r in code._slices] == slices

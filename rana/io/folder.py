@@ -22,7 +22,7 @@ from safetensors.torch import load_file, save_file
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
 from ..archs import ArchSpec, get_arch
-from ..modules import NeuronThresholdLinear
+from ..modules import NeuronThresholdLinear, link_decode_groups
 from ..modules.laurel import LaurelConfig, apply_laurel
 from .card import write_folder_card
 from .format import (FORMAT_VERSION, PLAN, RANA_CONFIG, WEIGHTS, WEIGHTS_INDEX, ModelLoadError, adapter_specs,
@@ -158,6 +158,9 @@ def read_meta(path: Path) -> dict:
                     threshold_from_json(a.get("threshold"))
                 except ValueError as e:
                     raise ValueError(f"adapter '{a['path']}': {e}") from None
+            f = a.get("active_fraction")  # optional (the decode kernels' sparsity bin); older folders lack it
+            if f is not None and (isinstance(f, bool) or not isinstance(f, (int, float)) or not 0.0 <= f <= 1.0):
+                raise ValueError(f"adapter '{a['path']}': 'active_fraction' must be a number in [0, 1], got {f!r}")
     except OSError as e:
         raise ModelLoadError(f"cannot read '{file}': {e.strerror or e}") from None
     except (ValueError, UnicodeDecodeError) as e:
@@ -253,6 +256,7 @@ def load(path: Path | str, *, device: str = "cpu", dtype: torch.dtype | None = N
     for m in model.modules():
         if isinstance(m, NeuronThresholdLinear):
             m.refresh_norms()
+    link_decode_groups(model, get_arch(config))  # q/k/v and gate/up adapters: one grouped decode launch
     if dtype is not None:
         model = model.to(dtype)
     tokenizer = AutoTokenizer.from_pretrained(path) if (path / "tokenizer_config.json").exists() else None

@@ -100,7 +100,8 @@ def threshold_from_json(t) -> float:
 
 
 def adapter_specs(model: nn.Module) -> list[dict]:
-    """A JSON description of every adapter module, enough to rebuild empty ones."""
+    """A JSON description of every adapter module, enough to rebuild empty ones (plus, when known, the
+    expected active fraction that picks the decode kernels' sparsity bin)."""
     f = threshold_to_json
     specs = []
     for name, m in model.named_modules():
@@ -123,6 +124,8 @@ def adapter_specs(model: nn.Module) -> list[dict]:
         elif isinstance(m, CatsActivation):
             specs.append({"path": name, "type": "cats", "hidden": m.hidden, "intermediate": m.intermediate,
                           "threshold": f(float(m.threshold))})
+        if getattr(m, "active_fraction", None) is not None and specs and specs[-1]["path"] == name:
+            specs[-1]["active_fraction"] = m.active_fraction  # the decode kernels' sparsity bin (optional key)
     return specs
 
 
@@ -147,6 +150,8 @@ def install_empty_adapters(model: nn.Module, specs: list[dict], dtype: torch.dty
             m = CatsActivation(model.get_submodule(s["path"]), t, s["hidden"], s["intermediate"])
         else:
             raise ValueError(f"unknown adapter type '{s['type']}' in {RANA_CONFIG}")
+        if s.get("active_fraction") is not None and hasattr(m, "set_active_fraction"):  # absent in older folders
+            m.set_active_fraction(float(s["active_fraction"]))
         set_submodule(model, s["path"], m)
 
 

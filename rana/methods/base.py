@@ -24,7 +24,7 @@ from ..archs import ArchSpec, set_submodule
 from ..math.decompose import Decomposition
 from ..math.masks import subsample_rows
 from ..math.search import RankChoice
-from ..modules import InputSparseLinear, NeuronThresholdLinear, RankAdapterLinear, RankSliceLinear, SharedRankCode
+from ..modules import InputSparseLinear, NeuronThresholdLinear, RankAdapterLinear, RankSliceLinear, SharedRankCode, link_layer
 
 # ---------------------------------------------------------------------------- what a step sees
 
@@ -255,14 +255,20 @@ def install_choice(ctx: LayerContext, path: str, linear: nn.Linear, choice: Rank
     if choice.dense:
         return dense_entry(o, i)
     if choice.kind == "sparse":
-        set_submodule(ctx.layer, path, sparse_module(linear.weight.detach(), linear.bias, choice.threshold, score))
+        module = sparse_module(linear.weight.detach(), linear.bias, choice.threshold, score)
+        module.set_active_fraction(choice.expected_active / i)
+        set_submodule(ctx.layer, path, module)
+        link_layer(ctx.layer, ctx.spec)  # siblings reading one input decode in one launch
         # a contribution-scored down projection thresholds the MLP's neurons
         kind = "input_sparse" if score == "magnitude" else "neuron" if path == ctx.spec.role_path("down") else "sparse"
         return adapter_entry(kind, path, o, i, threshold=choice.threshold, expected_active=choice.expected_active,
                              expected_macs=choice.macs, **errors)
     A, B = dec.factors(linear.weight, choice.rank)
     dt = linear.weight.dtype
-    set_submodule(ctx.layer, path, RankAdapterLinear(A.to(dt), B.to(dt), linear.bias, choice.threshold))
+    module = RankAdapterLinear(A.to(dt), B.to(dt), linear.bias, choice.threshold)
+    module.set_active_fraction(choice.expected_active / choice.rank)
+    set_submodule(ctx.layer, path, module)
+    link_layer(ctx.layer, ctx.spec)
     return adapter_entry("rank", path, o, i, rank=choice.rank, threshold=choice.threshold,
                          expected_active=choice.expected_active, expected_macs=choice.macs, **errors)
 
@@ -297,6 +303,7 @@ def install_stacked_qkv(ctx: LayerContext, choice: RankChoice, dec: Decompositio
     A, B = dec.factors(W, choice.rank)
     install_rank_qkv(ctx, A, B, bias, choice.threshold)
     path = ctx.spec.qkv_paths()["qkv"] if ctx.spec.qkv_fused else f"{ctx.spec.attn}.{QKV_CODE}"
+    ctx.layer.get_submodule(path).set_active_fraction(choice.expected_active / choice.rank)
     return adapter_entry("rank", path, o, i, rank=choice.rank, threshold=choice.threshold,
                          expected_active=choice.expected_active,
                          expected_macs=choice.rank * i + o * choice.expected_active)

@@ -1,11 +1,13 @@
 """nn.Modules that replace dense projections; each keeps ordinary nn.Linear children."""
 from .cats import CatsActivation
 from .common import MacMeter, column_major_linear
+from .groups import DecodeGroup, link_decode_groups, link_layer, relink
 from .neuron_linear import InputSparseLinear, NeuronThresholdLinear
 from .rank_linear import RankAdapterLinear, RankSliceLinear, SharedRankCode
 
 __all__ = [
     "CatsActivation",
+    "DecodeGroup",
     "InputSparseLinear",
     "MacMeter",
     "NeuronThresholdLinear",
@@ -13,4 +15,7 @@ __all__ = [
     "RankSliceLinear",
     "SharedRankCode",
     "column_major_linear",
+    "link_decode_groups",
+    "link_layer",
+    "relink",
 ]

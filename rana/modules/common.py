@@ -6,7 +6,7 @@ import torch.nn as nn
 
 # rana.kernels is the repository's top-level kernels/ folder, installed inside the package
 # (pyproject.toml package-dir); exports ship both folders' files flat beside each other
-from ..kernels.ops import decode_masked
+from ..kernels.ops import DEFAULT_SPARSITY_BIN, decode_masked, sparsity_bin
 
 
 def column_major_linear(weight: torch.Tensor, bias: torch.Tensor | None = None) -> nn.Linear:
@@ -31,7 +31,7 @@ def plain_linear(layer: nn.Module) -> bool:
 
 
 def decode_linear(layer: nn.Module, x: torch.Tensor, threshold: torch.Tensor, mode: str,
-                  scale: torch.Tensor | None = None) -> torch.Tensor | None:
+                  scale: torch.Tensor | None = None, sparsity_bin: int = DEFAULT_SPARSITY_BIN) -> torch.Tensor | None:
     """`layer(m ⊙ x)` for one decode token through the masked-GEMV ops, or None (use the torch path).
 
     None for several tokens (prefill, batch > 1: the dense masked product is faster there), for a
@@ -40,6 +40,8 @@ def decode_linear(layer: nn.Module, x: torch.Tensor, threshold: torch.Tensor, mo
     registered ops (kernels/ops.py), so the decode step traces without a graph break. Callers check
     `not self.training and not self.meter_on` first and pass `self._modules[...]` /
     `self._buffers[...]`: this runs per projection per token, and Module.__getattr__ costs ~0.6 µs.
+    `sparsity_bin` (a Python int: a Triton tuning key, constant under compile) is the module's
+    `decode_bin`.
     """
     if type(layer) is not nn.Linear or x.numel() != x.shape[-1]:
         return None
@@ -47,7 +49,7 @@ def decode_linear(layer: nn.Module, x: torch.Tensor, threshold: torch.Tensor, mo
     weight = params["weight"]
     if torch.is_grad_enabled() and (weight.requires_grad or x.requires_grad):
         return None
-    return decode_masked(weight.t(), x, threshold, mode, scale, params["bias"])
+    return decode_masked(weight.t(), x, threshold, mode, scale, params["bias"], sparsity_bin)
 
 
 class MacMeter:
@@ -63,6 +65,20 @@ class MacMeter:
 
     macs_dense: float = 0.0
     _float32_buffers = ("threshold", "column_norms")
+    # The expected fraction of ranks / inputs a decode token keeps (from the plan's expected_active),
+    # None when unknown; `decode_bin` is its sparsity bin, the Triton kernels' tuning key, kept as a
+    # plain int so it is a constant under torch.compile. Set both with `set_active_fraction`.
+    active_fraction: float | None = None
+    decode_bin: int = DEFAULT_SPARSITY_BIN
+    # The sibling group (rana.modules.groups.DecodeGroup) this adapter decodes in, and its slot there
+    _decode_group = None
+    _decode_slot: int = 0
+
+    def set_active_fraction(self, fraction: float | None) -> None:
+        if fraction is None or not 0.0 <= float(fraction) <= 1.0:
+            self.active_fraction, self.decode_bin = None, DEFAULT_SPARSITY_BIN
+        else:
+            self.active_fraction, self.decode_bin = float(fraction), sparsity_bin(fraction)
 
     def _apply(self, fn, recurse=True):
         kept = {n: b for n in self._float32_buffers if (b := self._buffers.get(n)) is not None}

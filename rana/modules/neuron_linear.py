@@ -25,15 +25,28 @@ class NeuronThresholdLinear(MacMeter, nn.Module):
         """Recompute ‖W[:, i]‖ (after LoRA merges or weight loading)."""
         self.column_norms.copy_(self.linear.weight.float().norm(dim=0))
 
+    decode_mode = "abs_scaled"
+
     def forward(self, h: torch.Tensor) -> torch.Tensor:
         if not self.training and not self.meter_on:
-            y = decode_linear(self._modules["linear"], h, self._buffers["threshold"], "abs_scaled",
-                              self._buffers["column_norms"])
+            group = self._decode_group
+            y = None if group is None else group.decode(h, self._decode_slot)
+            if y is None:
+                y = decode_linear(self._modules["linear"], h, self._buffers["threshold"], "abs_scaled",
+                                  self._buffers["column_norms"], self.decode_bin)
             if y is not None:
                 return y
         mask = h.abs() * self.column_norms >= self.threshold
         self._record(mask)
         return self.linear(h * mask)
+
+    def decode_operands(self, h: torch.Tensor):
+        """(input, w_t, threshold, scale, bias) of this projection in a grouped decode launch, or None."""
+        linear = self._modules["linear"]
+        if type(linear) is not nn.Linear:
+            return None
+        params = linear._parameters
+        return h, params["weight"].t(), self._buffers["threshold"], self._buffers["column_norms"], params["bias"]
 
     def measured_macs(self) -> float:
         return self.out_features * self.mean_active()
@@ -53,14 +66,27 @@ class InputSparseLinear(MacMeter, nn.Module):
         self.macs_dense = float(self.in_features * self.out_features)
         self._init_meter()
 
+    decode_mode = "abs"
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not self.training and not self.meter_on:
-            y = decode_linear(self._modules["linear"], x, self._buffers["threshold"], "abs")
+            group = self._decode_group
+            y = None if group is None else group.decode(x, self._decode_slot)
+            if y is None:
+                y = decode_linear(self._modules["linear"], x, self._buffers["threshold"], "abs", None, self.decode_bin)
             if y is not None:
                 return y
         mask = x.abs() >= self.threshold
         self._record(mask)
         return self.linear(x * mask)
+
+    def decode_operands(self, x: torch.Tensor):
+        """(input, w_t, threshold, scale, bias) of this projection in a grouped decode launch, or None."""
+        linear = self._modules["linear"]
+        if type(linear) is not nn.Linear:
+            return None
+        params = linear._parameters
+        return x, params["weight"].t(), self._buffers["threshold"], None, params["bias"]
 
     def measured_macs(self) -> float:
         return self.out_features * self.mean_active()

@@ -32,15 +32,32 @@ class RankAdapterLinear(MacMeter, nn.Module):
         self.macs_dense = float(self.in_features * self.out_features)
         self._init_meter()
 
+    decode_mode = "square"
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        z = self.B(x)
         if not self.training and not self.meter_on:
-            y = decode_linear(self._modules["A"], z, self._buffers["threshold"], "square")
+            group = self._decode_group
+            if group is not None:
+                y = group.decode(x, self._decode_slot)
+                if y is not None:
+                    return y
+            z = self.B(x)
+            y = decode_linear(self._modules["A"], z, self._buffers["threshold"], "square", None, self.decode_bin)
             if y is not None:
                 return y
+        else:
+            z = self.B(x)
         mask = z * z >= self.threshold
         self._record(mask)
         return self.A(z * mask)
+
+    def decode_operands(self, x: torch.Tensor):
+        """(code z = B x, w_t of A, threshold, scale, bias) in a grouped decode launch, or None (peft-wrapped)."""
+        B, A = self._modules["B"], self._modules["A"]
+        if type(B) is not nn.Linear or type(A) is not nn.Linear:
+            return None
+        params = A._parameters
+        return B(x), params["weight"].t(), self._buffers["threshold"], None, params["bias"]
 
     def measured_macs(self) -> float:
         return self.rank * self.in_features + self.out_features * self.mean_active()
@@ -107,7 +124,7 @@ class SharedRankCode(MacMeter, nn.Module):
             n = len(slices)
             t = self._buffers["threshold"]
             flat = decode_masked_grouped([z] * n, [w.t() for w in weights], [t] * n, "square", [None] * n,
-                                         [s.A._parameters["bias"] for s in slices])
+                                         [s.A._parameters["bias"] for s in slices], self.decode_bin)
             lead = x.shape[:-1]
             outs = [y.view(*lead, y.shape[-1]) for y in flat]
             left = self.consumers

@@ -4,7 +4,8 @@ The class is the stock ``*ForCausalLM`` of the source architecture. Its ``__init
 stock model, then swaps in empty RaNA adapters of the shapes recorded in ``config.rana_adapters``
 at the recorded module paths (and adds LAuReL residuals when ``config.rana_laurel`` is set), so
 ``from_pretrained`` loads every weight, threshold and LAuReL parameter by its ordinary state-dict
-key. The adapter modules (``rank_linear.py``, ``neuron_linear.py``, ``cats.py``, ``common.py``),
+key. The adapter modules (``rank_linear.py``, ``neuron_linear.py``, ``cats.py``, ``common.py``; ``groups.py``
+links q/k/v and gate/up adapters for one grouped decode launch),
 the masked-GEMV kernels and their torch.library ops (``masked_gemv.py``, ``triton_gemv.py``,
 ``ops.py``; ``cpu_gemv.py``, whose C source is compiled on first
 CPU decode when a C compiler exists, else torch ops run) and LAuReL (``laurel.py``) are copies of
@@ -24,6 +25,7 @@ from transformers import PreTrainedModel as _StockForCausalLM  # rana:stock-mode
 from .archspec import SPEC, set_submodule
 from .cats import CatsActivation
 from .configuration_rana import RanaConfig
+from .groups import link_decode_groups
 from .laurel import LaurelConfig, apply_laurel
 from .neuron_linear import InputSparseLinear, NeuronThresholdLinear
 from .rank_linear import RankAdapterLinear, RankSliceLinear, SharedRankCode
@@ -50,6 +52,7 @@ class RanaForCausalLM(_StockForCausalLM):
         install_empty_adapters(self, list(config.rana_adapters or []), ref.dtype)
         if config.rana_laurel:
             apply_laurel(self, LaurelConfig.from_dict(dict(config.rana_laurel)), spec=SPEC)
+        link_decode_groups(self, SPEC)
 
     @classmethod
     def from_pretrained(cls, *args, **kwargs):
