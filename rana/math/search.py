@@ -202,7 +202,7 @@ def grid_search_mlp(
     """Grid over the split of `budget` MACs between up', gate' and down' (Sect. 4.2).
 
     `uniform_only` scores only the equal split (every projection keeps the same fraction of its
-    own cost; the rana-wina ablation). `weighted_down=False` scores down's inputs by |h_i| alone
+    own cost; the wina method). `weighted_down=False` scores down's inputs by |h_i| alone
     (TEAL's score) instead of the contribution |h_i|·‖W_down[:, i]‖."""
     d_out, inter = down_weight.shape
     down_w = down_weight.float()

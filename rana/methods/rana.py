@@ -183,7 +183,13 @@ register(rana_method(
     "ablation: per projection the better of a B-masked Theorem-1 rank adapter and contribution-scored "
     "input sparsity, chosen by held-aside error at equal FLOPs; otherwise as rana-contrib",
     dict(color="tab:pink", marker="o", ls="--"), ablation=True))
+# WINA (Chen et al. 2025) is this machinery with contribution scores and no split search: every
+# projection, down included, keeps the inputs with the largest |x_j|·‖W[:, j]‖ at the layer's
+# fraction. Not included: the paper's column-orthogonalising transform (it must be folded into the
+# residual stream to cost nothing) and TEAL's greedy allocation (rana's `--allocation global` is the
+# counterpart).
 register(rana_method(
-    "rana-wina", Candidates(rank=False, sparse=True, split="equal"),
-    "ablation: as rana-contrib but every projection at the layer's fraction (no split search)",
-    dict(color="tab:olive", marker="X", ls="--"), ablation=True))
+    "wina", Candidates(rank=False, sparse=True, split="equal"),
+    "WINA: inputs scored by |x_j|·‖W[:, j]‖ on every projection incl. o_proj and down, each at the "
+    "layer's fraction (no split search); sequential calibration",
+    dict(color="tab:olive", marker="X")))

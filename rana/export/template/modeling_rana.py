@@ -25,7 +25,7 @@ from .archspec import SPEC, set_submodule
 from .cats import CatsActivation
 from .configuration_rana import RanaConfig
 from .laurel import LaurelConfig, apply_laurel
-from .neuron_linear import InputSparseLinear, NeuronThresholdLinear
+from .neuron_linear import InputSparseLinear, NeuronThresholdLinear, SparseLowRankLinear
 from .rank_linear import RankAdapterLinear, RankSliceLinear, SharedRankCode
 
 RANA_CONFIG = "config.json (rana_adapters)"  # named in install_empty_adapters' error message
@@ -38,6 +38,7 @@ _LINEAR_CHILDREN = {
     RankSliceLinear: ("A",),
     NeuronThresholdLinear: ("linear",),
     InputSparseLinear: ("linear",),
+    SparseLowRankLinear: ("linear", "side_in", "side_out"),
 }
 
 
