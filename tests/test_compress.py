@@ -12,7 +12,7 @@ from rana.modules import NeuronThresholdLinear, RankAdapterLinear
 from helpers import tiny_calibration, tiny_compress_config, tiny_model
 
 
-CASES = ([("llama", m) for m in ("rana", "rana-paper", "svd", "teal", "cats", "rana-contrib", "rana-mixed", "wina", "rsparse")]
+CASES = ([("llama", m) for m in ("rana", "rana-paper", "svd", "teal", "cats", "rana-contrib", "rana-mixed", "wina", "rsparse", "rana-side")]
          + [("mistral", "rana"), ("qwen2", "rana"), ("qwen2", "rsparse")])
 
 

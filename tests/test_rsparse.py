@@ -119,3 +119,28 @@ def test_rsparse_hits_its_budget_on_held_out_tokens(arch):
     ranks = [c.get("rank", 0) for layer in result.plan["layers"] for step in ("attention", "mlp")
              for c in layer[step]["components"].values()]
     assert any(r > 0 for r in ranks), "no projection took a side path on this model"
+
+
+def test_rana_side_installs_side_paths_where_they_pay_and_meets_the_budget():
+    """rana-side = rana + R-Sparse's side path as a candidate: on a model whose up/down projections are
+    low-rank the searches must take it (also down's, chosen after the split), on budget."""
+    model = tiny_model("llama")
+    with torch.no_grad():
+        for layer in model.model.layers:
+            for w in (layer.mlp.up_proj.weight, layer.mlp.down_proj.weight, layer.self_attn.q_proj.weight):
+                w.copy_(torch.linalg.svd(w, full_matrices=False).U[:, :2] @ torch.randn(2, w.shape[1]))
+    result = compress_model(model, None, tiny_compress_config(method="rana-side", flops=0.6), tiny_calibration())
+    assert result.plan["measured_flops"] == pytest.approx(0.6, abs=0.01)
+    kinds = {name: c["kind"] for layer in result.plan["layers"] for step in ("attention", "mlp")
+             for name, c in layer[step]["components"].items()}
+    assert any(isinstance(m, SparseLowRankLinear) for m in result.model.modules())
+    assert "sparse_lowrank" in {kinds.get("up"), kinds.get("down"), kinds.get("q")}
+
+
+def test_side_candidates_need_magnitude_sparsity():
+    from rana.methods import Candidates
+
+    with pytest.raises(ValueError, match="side path"):
+        Candidates(rank=True, sparse=False, side=True)
+    with pytest.raises(ValueError, match="side path"):
+        Candidates(rank=False, sparse=True, score="contribution", side=True)

@@ -11,29 +11,19 @@ from __future__ import annotations
 
 import torch
 
-from ..archs import set_submodule
-from ..math.sparse_lowrank import Svd, sparse_lowrank_choice
-from ..modules import SparseLowRankLinear
-from .base import (InputStats, LayerContext, MemoryNeed, Method, Step, adapter_entry, dense_entry, fit_eval_rows,
-                   install_choice, register, sparse_choice, summary)
+from ..math.search import side_path_choice
+from ..math.sparse_lowrank import Svd
+from .base import InputStats, LayerContext, MemoryNeed, Method, Step, fit_eval_rows, install_choice, register, summary
 
 
 def _adapt(ctx: LayerContext, path: str, x_fit: torch.Tensor, x_eval: torch.Tensor) -> dict:
+    """The projection at `path`: magnitude sparsity, with a side path when one lowers the error
+    (plain magnitude sparsity installs the ordinary input-sparse module)."""
     lin = ctx.module(path)
     W = lin.weight.detach()
-    o, i = W.shape
     svd = Svd.of(W)
-    c = sparse_lowrank_choice(x_fit, x_eval, W, min(1.0, ctx.fraction) * o * i, svd=svd)
-    if c.dense:
-        return dense_entry(o, i)
-    if c.rank == 0:  # plain magnitude sparsity won: the ordinary input-sparse module
-        return install_choice(ctx, path, lin, sparse_choice(c.threshold, c.expected_active, c.macs),
-                              score="magnitude", search_error=c.error)
-    A, B = svd.factors(c.rank)
-    dt = W.dtype
-    set_submodule(ctx.layer, path, SparseLowRankLinear(W, lin.bias, c.threshold, A.to(dt), B.to(dt)))
-    return adapter_entry("sparse_lowrank", path, o, i, rank=c.rank, threshold=c.threshold,
-                         expected_active=c.expected_active, expected_macs=c.macs, search_error=c.error)
+    c = side_path_choice(x_fit, x_eval, W, min(1.0, ctx.fraction) * W.numel(), svd)
+    return install_choice(ctx, path, lin, c, score="magnitude", side=svd, search_error=c.error)
 
 
 def _step(role: str, names: callable):
