@@ -12,8 +12,8 @@ from rana.modules import NeuronThresholdLinear, RankAdapterLinear
 from helpers import tiny_calibration, tiny_compress_config, tiny_model
 
 
-CASES = ([("llama", m) for m in ("rana", "rana-paper", "svd", "teal", "cats", "rana-contrib", "rana-mixed", "rana-wina")]
-         + [("mistral", "rana"), ("qwen2", "rana")])
+CASES = ([("llama", m) for m in ("rana", "rana-paper", "svd", "teal", "cats", "rana-contrib", "rana-mixed", "wina", "rsparse", "rana-side")]
+         + [("mistral", "rana"), ("qwen2", "rana"), ("qwen2", "rsparse")])
 
 
 @pytest.mark.parametrize("arch,method", CASES)
@@ -131,9 +131,9 @@ def test_nan_activations_are_reported():
 
 @pytest.mark.parametrize("arch", ["llama", "phi3", "gpt_neox"])
 def test_sparse_family_ablations(arch):
-    """rana / rana-contrib / rana-wina never build rank adapters; rana-wina keeps every projection at
+    """rana / rana-contrib / wina never build rank adapters; wina keeps every projection at
     the same fraction of its own cost (the equal split, also for a fused gate_up worth 2/3 of the MLP)."""
-    for method in ("rana", "rana-contrib", "rana-wina"):
+    for method in ("rana", "rana-contrib", "wina"):
         result = compress_model(tiny_model(arch), None, tiny_compress_config(method=method, flops=0.7),
                                 tiny_calibration())
         assert result.plan["measured_flops"] == pytest.approx(0.7, abs=0.01)
@@ -141,7 +141,7 @@ def test_sparse_family_ablations(arch):
         for layer in result.plan["layers"]:
             comps = layer["mlp"]["components"]
             assert {c["kind"] for c in layer["attention"]["components"].values()} <= {"sparse", "input_sparse", "dense"}
-            if method == "rana-wina":
+            if method == "wina":
                 dense = [c["dense_macs"] for c in comps.values()]
                 assert layer["mlp"]["shares"] == pytest.approx([d / sum(dense) for d in dense])
                 fractions = [c["expected_macs"] / c["dense_macs"] for c in comps.values()]

@@ -38,6 +38,7 @@ CASES = {
     # q/k/v biases carried by stacked rank adapters (rana-mixed picks them here), tied, sharded
     "qwen2_rana_tied": ("qwen2", "rana-mixed", True, None, "100KB"),
     "llama_cats": ("llama", "cats", False, None, "2GB"),
+    "qwen2_rsparse": ("qwen2", "rsparse", False, None, "2GB"),  # sparse + low-rank side path, q/k/v biases
     "qwen2_laurel": ("qwen2", "rana", False, "rw+lr", "2GB"),
     # the architectures registered later: fused qkv / gate_up (phi3); parallel residual, LM head renamed by
     # transformers' stock checkpoint conversion (gpt_neox), here with LAuReL's previous-activation history

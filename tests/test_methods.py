@@ -13,12 +13,13 @@ from rana.modules import InputSparseLinear
 from rana.compress.memory import estimate_memory
 from helpers import tiny_calibration, tiny_compress_config, tiny_model
 
-BUILT_IN = ("rana", "rana-paper", "cats", "svd", "teal", "rana-contrib", "rana-mixed", "rana-wina")
+BUILT_IN = ("rana", "rana-paper", "wina", "cats", "svd", "teal", "rsparse", "rana-contrib", "rana-mixed", "rana-side")
+MAIN = 7
 
 
 def test_names_list_the_main_methods_then_the_ablations():
     assert names() == BUILT_IN
-    assert names(ablations=False) == BUILT_IN[:5] and names(ablations=True) == BUILT_IN[5:]
+    assert names(ablations=False) == BUILT_IN[:MAIN] and names(ablations=True) == BUILT_IN[MAIN:]
     assert tuple(METHODS) == BUILT_IN and "svd" in METHODS and "dense" not in METHODS
     for name in BUILT_IN:
         method = get_method(name)
@@ -32,17 +33,18 @@ def test_names_list_the_main_methods_then_the_ablations():
 
 def test_methods_declare_their_memory_needs():
     assert {n: get_method(n).memory for n in BUILT_IN} == {
-        **{n: MemoryNeed(grid_search=True) for n in ("rana", "rana-paper", "rana-contrib", "rana-mixed", "rana-wina")},
+        **{n: MemoryNeed(grid_search=True) for n in ("rana", "rana-paper", "rana-contrib", "rana-mixed", "wina", "rana-side")},
         "svd": MemoryNeed(stacked_gate_up=False, decomposes_down=True, wide_sample_rows=True),
         "teal": MemoryNeed(decomposes=False, wide_sample_rows=True),
         "cats": MemoryNeed(decomposes=False),
+        "rsparse": MemoryNeed(stacked_gate_up=False, decomposes_down=True, wide_sample_rows=True),  # an SVD per weight
     }
 
 
 def test_rana_variants_are_their_candidates():
     """The search space decides the steps: o_proj (square) only with input sparsity, second
     moments only for rank adapters."""
-    for name, adapts_o, moments in (("rana", True, False), ("rana-contrib", True, False), ("rana-wina", True, False),
+    for name, adapts_o, moments in (("rana", True, False), ("rana-contrib", True, False), ("wina", True, False),
                                     ("rana-mixed", True, True), ("rana-paper", False, True)):
         method = get_method(name)
         assert ("o" in method.adapted_parts) == adapts_o

@@ -19,7 +19,7 @@ import torch.nn as nn
 
 from ..archs import set_submodule
 from ..modules import (CatsActivation, InputSparseLinear, NeuronThresholdLinear, RankAdapterLinear, RankSliceLinear,
-                       SharedRankCode)
+                       SharedRankCode, SparseLowRankLinear)
 
 FORMAT_VERSION = 1
 WEIGHTS = "model.safetensors"
@@ -118,6 +118,9 @@ def adapter_specs(model: nn.Module) -> list[dict]:
         elif isinstance(m, NeuronThresholdLinear):
             specs.append({"path": name, "type": "neuron", "in": m.in_features, "out": m.out_features,
                           "bias": m.linear.bias is not None, "threshold": f(float(m.threshold))})
+        elif isinstance(m, SparseLowRankLinear):
+            specs.append({"path": name, "type": "sparse_lowrank", "in": m.in_features, "out": m.out_features,
+                          "rank": m.rank, "bias": m.linear.bias is not None, "threshold": f(float(m.threshold))})
         elif isinstance(m, InputSparseLinear):
             specs.append({"path": name, "type": "input_sparse", "in": m.in_features, "out": m.out_features,
                           "bias": m.linear.bias is not None, "threshold": f(float(m.threshold))})
@@ -144,6 +147,9 @@ def install_empty_adapters(model: nn.Module, specs: list[dict], dtype: torch.dty
             m = RankSliceLinear(z(s["out"], s["rank"]), z(s["out"]) if s["bias"] else None, codes[s["code"]])
         elif s["type"] == "neuron":
             m = NeuronThresholdLinear(z(s["out"], s["in"]), z(s["out"]) if s["bias"] else None, t)
+        elif s["type"] == "sparse_lowrank":
+            m = SparseLowRankLinear(z(s["out"], s["in"]), z(s["out"]) if s["bias"] else None, t,
+                                    z(s["out"], s["rank"]), z(s["rank"], s["in"]))
         elif s["type"] == "input_sparse":
             m = InputSparseLinear(z(s["out"], s["in"]), z(s["out"]) if s["bias"] else None, t)
         elif s["type"] == "cats":

@@ -19,13 +19,15 @@ from typing import Callable
 import torch
 
 from .masks import b_mask, neuron_scores, threshold_for_keep_fraction
+from .sparse_lowrank import Svd, sparse_lowrank_choice, sparse_lowrank_output
 
 
 @dataclass(frozen=True)
 class RankChoice:
     """How one projection spends its budget. `kind`: "rank" (B-masked rank adapter),
-    "sparse" (input sparsity scored by |x_j|·‖W[:, j]‖, i.e. a rank adapter with B = I) or
-    "dense" (`rank == 0`)."""
+    "sparse" (input sparsity scored by |x_j|·‖W[:, j]‖, i.e. a rank adapter with B = I),
+    "sparse_lowrank" (magnitude sparsity plus a rank-`rank` SVD path for the dropped inputs,
+    R-Sparse) or "dense" (`rank == 0`)."""
 
     rank: int
     threshold: float
@@ -111,6 +113,16 @@ def input_sparse_choice(x_fit: torch.Tensor, x_eval: torch.Tensor, weight: torch
     return RankChoice(rank=0, threshold=t, expected_active=active, macs=o * active, error=error, kind="sparse")
 
 
+def side_path_choice(x_fit: torch.Tensor, x_eval: torch.Tensor, weight: torch.Tensor, budget: float,
+                     side: Svd) -> RankChoice:
+    """R-Sparse's mix (rana.math.sparse_lowrank) as a RankChoice: "sparse_lowrank" with the side
+    path's rank, or plain magnitude sparsity ("sparse") when no side path pays."""
+    c = sparse_lowrank_choice(x_fit, x_eval, weight, budget, svd=side)
+    kind = "dense" if c.dense else "sparse_lowrank" if c.rank else "sparse"
+    return RankChoice(rank=c.rank, threshold=c.threshold, expected_active=c.expected_active, macs=c.macs,
+                      error=c.error, kind=kind)
+
+
 def code_stats(x_fit: torch.Tensor, x_eval: torch.Tensor, weight: torch.Tensor, B_full: torch.Tensor) -> CodeStats:
     """Codes of the full decomposition for fit and held-aside inputs (float32 work)."""
     Bf = B_full.to(torch.float32)
@@ -131,6 +143,7 @@ class MlpComponent:
     allow_sparse: bool = False  # also consider input sparsity and keep whichever errs less
     allow_rank: bool = True  # consider B-masked rank adapters (needs U and stats)
     weighted: bool = True  # input-sparsity score |x_j|·‖W[:, j]‖ (False: |x_j|, TEAL's)
+    side: Svd | None = field(default=None, repr=False)  # also consider a low-rank path for the dropped inputs
     ref_eval: torch.Tensor | None = field(default=None, repr=False)  # W x on held-aside tokens (cache)
 
 
@@ -143,6 +156,7 @@ class MlpChoice:
     down_active: float
     down_macs: float
     error: float
+    down_rank: int = 0  # rank of down's side path for its dropped inputs (0: none)
 
 
 def simplex_grid(parts: int, step: float) -> list[tuple[float, ...]]:
@@ -157,6 +171,8 @@ def _adapted_output(comp: MlpComponent, choice: RankChoice, x: torch.Tensor) -> 
     """up'(x) / gate'(x) for a choice, computed from the stored codes (dense when rank 0)."""
     if choice.dense:
         return x.float() @ comp.weight.float().T
+    if choice.kind == "sparse_lowrank":
+        return sparse_lowrank_output(x, comp.weight, choice.threshold, *comp.side.factors(choice.rank))
     if choice.kind == "sparse":
         W = comp.weight.float()
         norms = W.norm(dim=0) if comp.weighted else torch.ones(W.shape[1], device=W.device)
@@ -179,6 +195,8 @@ def _best_projection_choice(comp: MlpComponent, x_fit, x_eval, budget: float, li
         if comp.ref_eval is None:
             comp.ref_eval = x_eval.float() @ comp.weight.float().T
         options.append(input_sparse_choice(x_fit, x_eval, comp.weight, budget, comp.ref_eval, weighted=comp.weighted))
+    if comp.side is not None:
+        options.append(side_path_choice(x_fit, x_eval, comp.weight, budget, comp.side))
     if not options:
         raise ValueError(f"budget {budget:.0f} MACs is too small for this projection")
     return min(options, key=lambda c: c.error)
@@ -198,12 +216,15 @@ def grid_search_mlp(
     line_count: int = 12,
     uniform_only: bool = False,
     weighted_down: bool = True,
+    down_side: Svd | None = None,
 ) -> MlpChoice:
     """Grid over the split of `budget` MACs between up', gate' and down' (Sect. 4.2).
 
     `uniform_only` scores only the equal split (every projection keeps the same fraction of its
-    own cost; the rana-wina ablation). `weighted_down=False` scores down's inputs by |h_i| alone
-    (TEAL's score) instead of the contribution |h_i|·‖W_down[:, i]‖."""
+    own cost; the wina method). `weighted_down=False` scores down's inputs by |h_i| alone
+    (TEAL's score) instead of the contribution |h_i|·‖W_down[:, i]‖. `down_side` (with
+    `weighted_down=False`): once the split is chosen, down's budget may also buy a low-rank path for
+    the hidden units it drops (R-Sparse), kept when it lowers the MLP's error."""
     d_out, inter = down_weight.shape
     down_w = down_weight.float()
     col_norms = down_w.norm(dim=0) if weighted_down else torch.ones(inter, device=down_w.device)  # down's input score
@@ -263,4 +284,23 @@ def grid_search_mlp(
         for c in (score(s) for s in neighbours):
             if c is not None and c.error < best.error:
                 best = c
+    if down_side is not None and not weighted_down:
+        best = _with_down_side(best, x_fit, x_eval, up, gate, hidden, down_w, down_side, ref_out, ref_energy)
     return best
+
+
+def _with_down_side(best: MlpChoice, x_fit, x_eval, up, gate, hidden, down_w, down_side: Svd, ref_out,
+                    ref_energy) -> MlpChoice:
+    """Re-spend the chosen split's down budget on magnitude sparsity plus a side path (only the
+    final split: searching it inside every split would multiply the grid's cost)."""
+    h_fit = hidden(_adapted_output(up, best.up, x_fit), _adapted_output(gate, best.gate, x_fit) if gate else None)
+    h_eval = hidden(_adapted_output(up, best.up, x_eval), _adapted_output(gate, best.gate, x_eval) if gate else None)
+    c = sparse_lowrank_choice(h_fit, h_eval, down_w, best.down_macs, svd=down_side)
+    if c.dense or c.rank == 0:
+        return best
+    out = sparse_lowrank_output(h_eval, down_w, c.threshold, *down_side.factors(c.rank))
+    err = float((out - ref_out).pow(2).sum()) / max(ref_energy, 1e-30)
+    if err >= best.error:
+        return best
+    return MlpChoice(shares=best.shares, up=best.up, gate=best.gate, down_threshold=c.threshold,
+                     down_active=c.expected_active, down_macs=c.macs, error=err, down_rank=c.rank)

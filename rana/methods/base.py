@@ -24,7 +24,9 @@ from ..archs import ArchSpec, set_submodule
 from ..math.decompose import Decomposition
 from ..math.masks import subsample_rows
 from ..math.search import RankChoice
-from ..modules import InputSparseLinear, NeuronThresholdLinear, RankAdapterLinear, RankSliceLinear, SharedRankCode, link_layer
+from ..math.sparse_lowrank import Svd
+from ..modules import (InputSparseLinear, NeuronThresholdLinear, RankAdapterLinear, RankSliceLinear, SharedRankCode,
+                       SparseLowRankLinear, link_layer)
 
 # ---------------------------------------------------------------------------- what a step sees
 
@@ -248,12 +250,21 @@ def sparse_choice(threshold: float, expected_active: float, macs: float) -> Rank
 
 
 def install_choice(ctx: LayerContext, path: str, linear: nn.Linear, choice: RankChoice, *, score: str = "contribution",
-                   dec: Decomposition | None = None, **errors) -> dict:
+                   dec: Decomposition | None = None, side: Svd | None = None, **errors) -> dict:
     """Swap the projection at `path` for what `choice` picked and return its plan entry:
-    dense (left alone), input sparsity scored by `score`, or a B-masked rank adapter of `dec`."""
+    dense (left alone), input sparsity scored by `score`, magnitude sparsity with a low-rank path
+    of `side` for the dropped inputs, or a B-masked rank adapter of `dec`."""
     o, i = linear.weight.shape
     if choice.dense:
         return dense_entry(o, i)
+    if choice.kind == "sparse_lowrank":
+        A, B = side.factors(choice.rank)
+        dt = linear.weight.dtype
+        module = SparseLowRankLinear(linear.weight.detach(), linear.bias, choice.threshold, A.to(dt), B.to(dt))
+        module.set_active_fraction(choice.expected_active / i)
+        set_submodule(ctx.layer, path, module)
+        return adapter_entry("sparse_lowrank", path, o, i, rank=choice.rank, threshold=choice.threshold,
+                             expected_active=choice.expected_active, expected_macs=choice.macs, **errors)
     if choice.kind == "sparse":
         module = sparse_module(linear.weight.detach(), linear.bias, choice.threshold, score)
         module.set_active_fraction(choice.expected_active / i)

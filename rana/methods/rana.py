@@ -15,7 +15,9 @@ import torch
 import torch.nn as nn
 
 from ..math.decompose import decompose
-from ..math.search import MlpComponent, code_stats, grid_search_mlp, input_sparse_choice, line_search_rank
+from ..math.search import (MlpComponent, RankChoice, code_stats, grid_search_mlp, input_sparse_choice, line_search_rank,
+                           side_path_choice)
+from ..math.sparse_lowrank import Svd
 from .base import (SCORES, InputStats, LayerContext, MemoryNeed, Method, Step, fit_eval_rows, install_choice,
                    install_stacked_qkv, qkv_modules, register, sparse_choice, stacked_weight, summary)
 
@@ -28,10 +30,13 @@ class Candidates:
     sparse: bool  # input sparsity; it also adapts o_proj, where a rank adapter's dense B x costs too much
     score: str = "contribution"  # sparse inputs and down's neurons: |x_j|·‖W[:, j]‖, or "magnitude" |x_j|
     split: str = "grid"  # the MLP budget's split between its projections: "grid" search or "equal" shares
+    side: bool = False  # sparse inputs may buy a low-rank path for the inputs they drop (R-Sparse's mix)
 
     def __post_init__(self):
         if not (self.rank or self.sparse):
             raise ValueError("Candidates: allow rank adapters, input sparsity or both")
+        if self.side and (not self.sparse or self.score != "magnitude"):
+            raise ValueError("Candidates: a side path for dropped inputs needs input sparsity scored by magnitude")
         if self.score not in SCORES:
             raise ValueError(f"Candidates: score must be one of {', '.join(SCORES)}, got '{self.score}'")
         if self.split not in ("grid", "equal"):
@@ -51,11 +56,21 @@ def _sparse_qkv(mods: list[tuple[str, nn.Linear]], x_fit: torch.Tensor, x_eval: 
     and each projection's pick."""
     picks = []
     for path, m in mods:
-        picks.append((path, m, input_sparse_choice(x_fit, x_eval, m.weight.detach(), fraction * m.weight.numel(),
-                                                   weighted=candidates.contribution)))
-    ref = torch.cat([x_eval.float() @ m.weight.float().T for _, m, _ in picks], -1)
-    err_energy = sum(c.error * float((x_eval.float() @ m.weight.float().T).pow(2).sum()) for _, m, c in picks)
+        picks.append((path, m, *_sparse_pick(m, x_fit, x_eval, fraction * m.weight.numel(), candidates)))
+    ref = torch.cat([x_eval.float() @ m.weight.float().T for _, m, _, _ in picks], -1)
+    err_energy = sum(c.error * float((x_eval.float() @ m.weight.float().T).pow(2).sum()) for _, m, c, _ in picks)
     return err_energy / float(ref.pow(2).sum().clamp_min(1e-30)), picks
+
+
+def _sparse_pick(linear: nn.Linear, x_fit: torch.Tensor, x_eval: torch.Tensor, budget: float,
+                 candidates: Candidates) -> tuple[RankChoice, Svd | None]:
+    """Input sparsity for one projection at `budget`, with a side path for the dropped inputs when
+    the candidates allow it and it errs less; the choice and the SVD its side path is cut from."""
+    W = linear.weight.detach()
+    if candidates.side:
+        svd = Svd.of(W)
+        return side_path_choice(x_fit, x_eval, W, budget, svd), svd
+    return input_sparse_choice(x_fit, x_eval, W, budget, weighted=candidates.contribution), None
 
 
 def attention(ctx: LayerContext, stats: dict[str, InputStats], candidates: Candidates) -> dict:
@@ -82,8 +97,9 @@ def attention(ctx: LayerContext, stats: dict[str, InputStats], candidates: Candi
 
 
 def _install_sparse_qkv(ctx: LayerContext, picks, candidates: Candidates) -> dict:
-    return {path.rsplit(".", 1)[-1]: install_choice(ctx, path, m, c, score=candidates.score, search_error=c.error)
-            for path, m, c in picks}
+    return {path.rsplit(".", 1)[-1]: install_choice(ctx, path, m, c, score=candidates.score, side=svd,
+                                                    search_error=c.error)
+            for path, m, c, svd in picks}
 
 
 def o_projection(ctx: LayerContext, stats: dict[str, InputStats], candidates: Candidates) -> dict:
@@ -92,8 +108,8 @@ def o_projection(ctx: LayerContext, stats: dict[str, InputStats], candidates: Ca
     lin = ctx.module(path)
     o, i = lin.weight.shape
     x_fit, x_eval = fit_eval_rows(ctx, stats["o"])
-    c = input_sparse_choice(x_fit, x_eval, lin.weight.detach(), ctx.fraction * o * i, weighted=candidates.contribution)
-    return summary({"o": install_choice(ctx, path, lin, c, score=candidates.score, search_error=c.error)})
+    c, svd = _sparse_pick(lin, x_fit, x_eval, ctx.fraction * o * i, candidates)
+    return summary({"o": install_choice(ctx, path, lin, c, score=candidates.score, side=svd, search_error=c.error)})
 
 
 # ---------------------------------------------------------------------------- MLP
@@ -125,7 +141,8 @@ def mlp(ctx: LayerContext, stats: dict[str, InputStats], candidates: Candidates)
     for name, lin in linears.items():
         W = lin.weight.detach()
         if not candidates.rank:
-            comps[name] = MlpComponent(weight=W, allow_sparse=True, allow_rank=False, weighted=candidates.contribution)
+            comps[name] = MlpComponent(weight=W, allow_sparse=True, allow_rank=False, weighted=candidates.contribution,
+                                       side=Svd.of(W) if candidates.side else None)
             continue
         dec = decs[name] = s.cached(("dec", id(lin.weight)), lambda: decompose(W, s.moment))
         codes = s.cached(("codes", id(lin.weight)), lambda: code_stats(x_fit, x_eval, W, dec.U.T @ W.double()))
@@ -133,16 +150,20 @@ def mlp(ctx: LayerContext, stats: dict[str, InputStats], candidates: Candidates)
                                    weighted=candidates.contribution)
     first = "gate_up" if "gate_up" in comps else "up"
     budget = ctx.fraction * float(inter * d_out * (3 if spec.gated else 2))
+    down_side = Svd.of(down.weight.detach()) if candidates.side else None
     choice = grid_search_mlp(x_fit, x_eval, comps[first], comps.get("gate"), down.weight.detach(), act, budget,
                              step=ctx.grid_step, uniform_only=candidates.split == "equal",
-                             weighted_down=candidates.contribution)
+                             weighted_down=candidates.contribution, down_side=down_side)
     picked = {first: choice.up, "gate": choice.gate}
     entries = {name: install_choice(ctx, paths[name], lin, picked[name], score=candidates.score, dec=decs.get(name),
-                                    line_search_error=picked[name].error)
+                                    side=comps[name].side, line_search_error=picked[name].error)
                for name, lin in linears.items()}
-    entries["down"] = install_choice(ctx, down_path, down,
-                                     sparse_choice(choice.down_threshold, choice.down_active, choice.down_macs),
-                                     score=candidates.score)
+    down_choice = sparse_choice(choice.down_threshold, choice.down_active, choice.down_macs)
+    if choice.down_rank:
+        down_choice = RankChoice(rank=choice.down_rank, threshold=choice.down_threshold,
+                                 expected_active=choice.down_active, macs=choice.down_macs, error=choice.error,
+                                 kind="sparse_lowrank")
+    entries["down"] = install_choice(ctx, down_path, down, down_choice, score=candidates.score, side=down_side)
     return summary(entries, shares=choice.shares, search_error=choice.error)
 
 
@@ -184,6 +205,18 @@ register(rana_method(
     "input sparsity, chosen by held-aside error at equal FLOPs; otherwise as rana-contrib",
     dict(color="tab:pink", marker="o", ls="--"), ablation=True))
 register(rana_method(
-    "rana-wina", Candidates(rank=False, sparse=True, split="equal"),
-    "ablation: as rana-contrib but every projection at the layer's fraction (no split search)",
-    dict(color="tab:olive", marker="X", ls="--"), ablation=True))
+    "rana-side", Candidates(rank=False, sparse=True, score="magnitude", side=True),
+    "ablation: as rana, and each projection's budget may buy a rank-r SVD path for the inputs its mask "
+    "drops (R-Sparse's mix), kept where it lowers the held-aside error",
+    dict(color="tab:gray", marker="*", ls="--"), ablation=True))
+
+# WINA (Chen et al. 2025) is this machinery with contribution scores and no split search: every
+# projection, down included, keeps the inputs with the largest |x_j|·‖W[:, j]‖ at the layer's
+# fraction. Not included: the paper's column-orthogonalising transform (it must be folded into the
+# residual stream to cost nothing) and TEAL's greedy allocation (rana's `--allocation global` is the
+# counterpart).
+register(rana_method(
+    "wina", Candidates(rank=False, sparse=True, split="equal"),
+    "WINA: inputs scored by |x_j|·‖W[:, j]‖ on every projection incl. o_proj and down, each at the "
+    "layer's fraction (no split search); sequential calibration",
+    dict(color="tab:olive", marker="X")))

@@ -2,7 +2,7 @@
 from .cats import CatsActivation
 from .common import MacMeter, column_major_linear
 from .groups import DecodeGroup, link_decode_groups, link_layer, relink
-from .neuron_linear import InputSparseLinear, NeuronThresholdLinear
+from .neuron_linear import InputSparseLinear, NeuronThresholdLinear, SparseLowRankLinear
 from .rank_linear import RankAdapterLinear, RankSliceLinear, SharedRankCode
 
 __all__ = [
@@ -14,6 +14,7 @@ __all__ = [
     "RankAdapterLinear",
     "RankSliceLinear",
     "SharedRankCode",
+    "SparseLowRankLinear",
     "column_major_linear",
     "link_decode_groups",
     "link_layer",

@@ -93,3 +93,42 @@ class InputSparseLinear(MacMeter, nn.Module):
 
     def extra_repr(self) -> str:
         return f"in={self.in_features}, out={self.out_features}, threshold={float(self.threshold):.4g}"
+
+
+class SparseLowRankLinear(MacMeter, nn.Module):
+    """`W (m ⊙ x) + A B ((1 − m) ⊙ x)` with `m_j = 1{|x_j| ≥ t}` (R-Sparse).
+
+    The inputs kept by the magnitude mask go through the full weight; the ones it drops are not
+    lost but go through a rank-r approximation `A B ≈ W` (children `side_in`: B, i → r, and
+    `side_out`: A, r → o). With nothing dropped the side path adds exactly zero; its cost
+    `r·(i + o)` is paid on every token (B is applied to the whole complement, not gathered).
+    """
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, threshold: float,
+                 A: torch.Tensor, B: torch.Tensor):
+        super().__init__()
+        self.linear = column_major_linear(weight, bias)
+        self.side_in = column_major_linear(B)
+        self.side_out = column_major_linear(A)
+        self.register_buffer("threshold", torch.tensor(float(threshold), dtype=torch.float32))
+        self.in_features, self.out_features, self.rank = weight.shape[1], weight.shape[0], B.shape[0]
+        self.macs_dense = float(self.in_features * self.out_features)
+        self._init_meter()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        mask = x.abs() >= self.threshold
+        kept = x * mask
+        side = self.side_out(self.side_in(x - kept)) if self.rank else 0
+        if not self.training and not self.meter_on:
+            y = decode_linear(self._modules["linear"], x, self._buffers["threshold"], "abs", None, self.decode_bin)
+            if y is not None:
+                return y + side
+        self._record(mask)
+        return self.linear(kept) + side
+
+    def measured_macs(self) -> float:
+        return self.out_features * self.mean_active() + self.rank * (self.in_features + self.out_features)
+
+    def extra_repr(self) -> str:
+        return (f"in={self.in_features}, out={self.out_features}, rank={self.rank}, "
+                f"threshold={float(self.threshold):.4g}")

@@ -27,7 +27,7 @@ from .cats import CatsActivation
 from .configuration_rana import RanaConfig
 from .groups import link_decode_groups
 from .laurel import LaurelConfig, apply_laurel
-from .neuron_linear import InputSparseLinear, NeuronThresholdLinear
+from .neuron_linear import InputSparseLinear, NeuronThresholdLinear, SparseLowRankLinear
 from .rank_linear import RankAdapterLinear, RankSliceLinear, SharedRankCode
 
 RANA_CONFIG = "config.json (rana_adapters)"  # named in install_empty_adapters' error message
@@ -40,6 +40,7 @@ _LINEAR_CHILDREN = {
     RankSliceLinear: ("A",),
     NeuronThresholdLinear: ("linear",),
     InputSparseLinear: ("linear",),
+    SparseLowRankLinear: ("linear", "side_in", "side_out"),
 }
 
 
