@@ -93,6 +93,9 @@ def _compress_layers(model: nn.Module, tokenizer, config: CompressConfig, calibr
     spec = get_arch(model.config)
     device, offload = torch.device(config.device), torch.device(config.offload_device)
     layers = decoder_layers(model, spec)
+    # a method's model-level transform (larosa's folded rotations) runs on the dense model first
+    transform = method.prepare(model, spec, calibration.fit, batch_size=config.batch_size,
+                               streamed=lazy_weights is not None or bool(config.offload_dir)) if method.prepare else None
     # everything but the decoder stack on the device; the stack in host RAM or on disk (rana.compress.residency)
     residency = Residency.create(model, spec, config, device, offload, lazy_weights)
     dtype = DTYPES[config.dtype]
@@ -133,6 +136,7 @@ def _compress_layers(model: nn.Module, tokenizer, config: CompressConfig, calibr
         "budget": budget_info,
         "config": config.to_dict(),
         "wall_time_s": time.perf_counter() - t0,
+        **({"model_transform": transform} if transform else {}),
         "allocation": allocation.to_dict() if allocation else {"kind": "uniform", "fraction": fraction},
         "allocation_profile_s": t_profile if allocation else 0.0,
         "layers": layer_plans,
