@@ -13,12 +13,13 @@ from rana.modules import InputSparseLinear
 from rana.compress.memory import estimate_memory
 from helpers import tiny_calibration, tiny_compress_config, tiny_model
 
-BUILT_IN = ("rana", "rana-paper", "cats", "svd", "teal", "rana-contrib", "rana-mixed", "rana-wina")
+BUILT_IN = ("rana", "rana-paper", "cats", "svd", "teal", "larosa", "rana-contrib", "rana-mixed", "rana-wina")
+MAIN = 6  # BUILT_IN[:MAIN] are the main methods, the rest ablations
 
 
 def test_names_list_the_main_methods_then_the_ablations():
     assert names() == BUILT_IN
-    assert names(ablations=False) == BUILT_IN[:5] and names(ablations=True) == BUILT_IN[5:]
+    assert names(ablations=False) == BUILT_IN[:MAIN] and names(ablations=True) == BUILT_IN[MAIN:]
     assert tuple(METHODS) == BUILT_IN and "svd" in METHODS and "dense" not in METHODS
     for name in BUILT_IN:
         method = get_method(name)
@@ -35,6 +36,7 @@ def test_methods_declare_their_memory_needs():
         **{n: MemoryNeed(grid_search=True) for n in ("rana", "rana-paper", "rana-contrib", "rana-mixed", "rana-wina")},
         "svd": MemoryNeed(stacked_gate_up=False, decomposes_down=True, wide_sample_rows=True),
         "teal": MemoryNeed(decomposes=False, wide_sample_rows=True),
+        "larosa": MemoryNeed(decomposes=False, wide_sample_rows=True),
         "cats": MemoryNeed(decomposes=False),
     }
 
