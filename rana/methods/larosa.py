@@ -185,6 +185,10 @@ def _untie_head(model: nn.Module, head: nn.Linear) -> bool:
         head.weight = nn.Parameter(head.weight.detach().clone())
         for c in configs.values():
             c.tie_word_embeddings = False
+        keys = getattr(model, "all_tied_weights_keys", None)  # transformers >= 5: {target: source}
+        if isinstance(keys, dict):  # (what an in-memory export would drop as a tied copy)
+            name = next(n for n, m in model.named_modules() if m is head)
+            model.all_tied_weights_keys = {k: v for k, v in keys.items() if k != f"{name}.weight"}
         return True
     return False
 
