@@ -164,3 +164,17 @@ def test_streamed_layers_are_refused():
     model = tiny_model("llama")
     with pytest.raises(UnsupportedArchitectureError, match="stream"):
         get_method("larosa").prepare(model, get_arch(model.config), tiny_calibration().fit, batch_size=4, streamed=True)
+
+
+def test_a_norm_that_breaks_invariance_is_caught():
+    """An architecture registered as RMSNorm-like but normalising with LayerNorm (mean subtracted):
+    the fold check compares logits before and after and refuses with one line."""
+    model = tiny_model("llama")
+    with torch.no_grad():
+        for layer in model.model.layers:
+            norm = torch.nn.LayerNorm(64)
+            norm.weight.uniform_(0.5, 1.5)
+            layer.input_layernorm = norm
+    with pytest.raises(UnsupportedArchitectureError, match="not rotation-invariant") as err:
+        compress_model(model, None, tiny_compress_config(method="larosa", flops=0.7), tiny_calibration())
+    assert "\n" not in str(err.value)
