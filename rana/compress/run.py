@@ -144,7 +144,7 @@ def _compress_layers(model: nn.Module, tokenizer, config: CompressConfig, calibr
         "measured": {k: v for k, v in measured.items() if k != "modules"},
         "budget": budget_info,
         "config": config.to_dict(),
-        "wall_time_s": time.perf_counter() - t0,
+        "wall_time_s": time.perf_counter() - t0 + (transform or {}).get("seconds", 0.0),
         **({"model_transform": transform} if transform else {}),
         "allocation": allocation.to_dict() if allocation else {"kind": "uniform", "fraction": fraction},
         "allocation_profile_s": t_profile if allocation else 0.0,
