@@ -107,16 +107,16 @@ def test_rotated_inputs_are_decorrelated():
     stats = rotation_statistics(model, spec, fit, batch_size=8)
     for C in [stats["residual"], *[m for heads in stats["heads"] for m in heads]]:
         off = C - torch.diag(torch.diag(C))
-        assert off.abs().max() < 1e-6 * C.diag().max()
-        assert (C.diag()[:-1] >= C.diag()[1:] - 1e-6 * C.diag().max()).all()
+        assert off.abs().max() < 1e-4 * C.diag().max()
+        assert (C.diag()[:-1] >= C.diag()[1:] - 1e-4 * C.diag().max()).all()
 
 
 def test_head_block_moments_pool_the_query_heads_of_a_kv_group():
     x = torch.randn(5, 4 * 3)  # 4 query heads of head_dim 3, 2 KV heads
     m = head_block_moments(x, n_heads=4, n_kv=2)
     a = x.double().reshape(5, 4, 3)
-    assert torch.allclose(m[0], a[:, 0].T @ a[:, 0] + a[:, 1].T @ a[:, 1])
-    assert torch.allclose(m[1], a[:, 2].T @ a[:, 2] + a[:, 3].T @ a[:, 3])
+    assert torch.allclose(m[0], a[:, 0].T @ a[:, 0] + a[:, 1].T @ a[:, 1], rtol=1e-5, atol=1e-5)
+    assert torch.allclose(m[1], a[:, 2].T @ a[:, 2] + a[:, 3].T @ a[:, 3], rtol=1e-5, atol=1e-5)
     Q = principal_basis(m[0])
     assert torch.allclose(Q.T @ Q, torch.eye(3, dtype=torch.float64), atol=1e-12)
 

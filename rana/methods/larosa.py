@@ -64,15 +64,18 @@ def principal_basis(moment: torch.Tensor) -> torch.Tensor:
 
 
 def head_block_moments(x: torch.Tensor, n_heads: int, n_kv: int) -> torch.Tensor:
-    """Σ aᵀa per KV group (n_kv × head_dim × head_dim, float64) of o_proj's inputs `x`
-    (tokens × n_heads·head_dim), the query heads sharing a KV head pooled."""
-    a = x.reshape(-1, n_kv, n_heads // n_kv, x.shape[-1] // n_heads).double()
-    return torch.einsum("tgqi,tgqj->gij", a, a)
+    """Σ aᵀa per KV group (n_kv × head_dim × head_dim; float32 products, returned as float64) of
+    o_proj's inputs `x` (tokens × n_heads·head_dim), the query heads sharing a KV head pooled."""
+    a = x.reshape(-1, n_kv, n_heads // n_kv, x.shape[-1] // n_heads).float()
+    return torch.einsum("tgqi,tgqj->gij", a, a).double()
 
 
-def _rms_normalised(h: torch.Tensor) -> torch.Tensor:
-    h = h.reshape(-1, h.shape[-1]).double()
-    return h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True).clamp_min(1e-30))
+def _normalised_moment(h: torch.Tensor) -> torch.Tensor:
+    """Σ n nᵀ (float64) of the RMS-normalised rows n of `h`: one batch's products in float32 (a few
+    thousand tokens: float64 here tripled the pass's time), accumulated across batches in float64."""
+    h = h.reshape(-1, h.shape[-1]).float()
+    n = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True).clamp_min(1e-30))
+    return (n.T @ n).double()
 
 
 # ---------------------------------------------------------------------------- statistics
@@ -91,8 +94,7 @@ def rotation_statistics(model: nn.Module, spec: ArchSpec, sequences: torch.Tenso
     hooks = []
 
     def on_norm(_m, args):
-        n = _rms_normalised(args[0])
-        residual.add_((n.T @ n).cpu())
+        residual.add_(_normalised_moment(args[0]).cpu())
 
     def on_o(i):
         def hook(_m, args):
