@@ -178,3 +178,20 @@ def test_a_norm_that_breaks_invariance_is_caught():
     with pytest.raises(UnsupportedArchitectureError, match="not rotation-invariant") as err:
         compress_model(model, None, tiny_compress_config(method="larosa", flops=0.7), tiny_calibration())
     assert "\n" not in str(err.value)
+
+
+@pytest.mark.parametrize("arch", ["llama", "gemma2"])
+def test_heads_only_ablation_is_exact_and_meets_its_budget(arch):
+    """larosa-heads folds only the per-KV-head rotations (no invariance of the residual needed, so
+    post-norm Gemma 2 too): exact at F = 1 with nothing untied, and on budget at F = 0.7."""
+    model = _perturbed(arch)
+    dense = _logits(model)
+    result = compress_model(model, None, tiny_compress_config(method="larosa-heads", flops=1.0), tiny_calibration())
+    assert torch.allclose(_logits(result.model), dense, atol=2e-5 * dense.abs().max())
+    assert result.plan["model_transform"]["extra_stored_parameters"] == 0
+    v = decoder_layers(result.model, get_arch(model.config))[0].self_attn.v_proj.weight
+    assert not torch.allclose(v, decoder_layers(_perturbed(arch), get_arch(model.config))[0].self_attn.v_proj.weight)
+    result = compress_model(_perturbed(arch), None, tiny_compress_config(method="larosa-heads", flops=0.7),
+                            tiny_calibration())
+    assert result.plan["measured_flops"] == pytest.approx(0.7, abs=0.01)
+    assert "interleaves" in get_method("larosa-heads").unsupported_reason(get_arch("gpt_neox"))

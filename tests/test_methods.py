@@ -13,7 +13,8 @@ from rana.modules import InputSparseLinear
 from rana.compress.memory import estimate_memory
 from helpers import tiny_calibration, tiny_compress_config, tiny_model
 
-BUILT_IN = ("rana", "rana-paper", "cats", "svd", "teal", "larosa", "rana-contrib", "rana-mixed", "rana-wina")
+BUILT_IN = ("rana", "rana-paper", "cats", "svd", "teal", "larosa", "rana-contrib", "rana-mixed", "rana-wina",
+            "larosa-heads")
 MAIN = 6  # BUILT_IN[:MAIN] are the main methods, the rest ablations
 
 
@@ -37,6 +38,7 @@ def test_methods_declare_their_memory_needs():
         "svd": MemoryNeed(stacked_gate_up=False, decomposes_down=True, wide_sample_rows=True),
         "teal": MemoryNeed(decomposes=False, wide_sample_rows=True),
         "larosa": MemoryNeed(decomposes=False, wide_sample_rows=True),
+        "larosa-heads": MemoryNeed(decomposes=False, wide_sample_rows=True),
         "cats": MemoryNeed(decomposes=False),
     }
 

@@ -32,6 +32,7 @@ it in memory: not with layers streamed from disk).
 from __future__ import annotations
 
 import time
+from functools import partial
 
 import torch
 import torch.nn as nn
@@ -50,6 +51,13 @@ def unsupported(spec: ArchSpec) -> str | None:
     if spec.parallel_residual or "gpt_neox" in spec.model_types:
         return ("method 'larosa' needs RMSNorm on a sequential residual: GPT-NeoX's LayerNorm subtracts the mean, "
                 "which a folded rotation cannot pass through; use teal or rana")
+    return None
+
+
+def _heads_unsupported(spec: ArchSpec) -> str | None:
+    if "gpt_neox" in spec.model_types:
+        return ("method 'larosa-heads' needs v's rows per KV head in one block: GPT-NeoX interleaves q, k and v "
+                "per head in its fused query_key_value; use teal or rana")
     return None
 
 
@@ -196,14 +204,23 @@ def _untie_head(model: nn.Module, head: nn.Linear) -> bool:
 
 
 @torch.no_grad()
-def rotate_model(model: nn.Module, spec: ArchSpec, stats: dict) -> dict:
-    """Fold the residual rotation and the per-KV-head rotations into the weights (exact: the
-    model computes the same function). Returns what was done, for the plan."""
-    Q = principal_basis(stats["residual"])
+def rotate_model(model: nn.Module, spec: ArchSpec, stats: dict, *, residual: bool = True) -> dict:
+    """Fold the residual rotation (unless `residual` is False) and the per-KV-head rotations into
+    the weights (exact: the model computes the same function). Returns what was done, for the plan."""
     n_heads, n_kv = stats["n_heads"], stats["n_kv"]
     text = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
     head_dim = getattr(text, "head_dim", None) or text.hidden_size // n_heads
     q_out, kv_out = n_heads * head_dim, n_kv * head_dim
+    if not residual:
+        for i, layer in enumerate(decoder_layers(model, spec)):
+            if stats["heads"][i] is not None:
+                R = torch.stack([principal_basis(m) for m in stats["heads"][i]])
+                _rotate_heads(_value_rows(layer, spec, q_out, kv_out), layer.get_submodule(spec.o_path()), R, n_heads)
+        return {"kind": "larosa-heads", "residual_rotation": "none",
+                "head_rotations": f"{n_kv} {head_dim}x{head_dim} rotations per layer folded into v_proj rows and "
+                                  "o_proj columns: 0 MACs",
+                "runtime_rotation_macs_per_token": 0, "lm_head_untied": False, "extra_stored_parameters": 0}
+    Q = principal_basis(stats["residual"])
     head = model.get_output_embeddings()
     untied = _untie_head(model, head)
     emb = model.get_input_embeddings()
@@ -238,7 +255,8 @@ def rotate_model(model: nn.Module, spec: ArchSpec, stats: dict) -> dict:
     }
 
 
-def prepare(model: nn.Module, spec: ArchSpec, sequences: torch.Tensor, *, batch_size: int, streamed: bool) -> dict:
+def prepare(model: nn.Module, spec: ArchSpec, sequences: torch.Tensor, *, batch_size: int, streamed: bool,
+            residual: bool = True) -> dict:
     """The model-level step before the layer loop: fit the rotations on `sequences` and fold them in.
     The caller passes the fit batches that feed second moments, not those kept for thresholds:
     fitted on those too, the minor components' variance is biased low there and the held-out
@@ -251,7 +269,8 @@ def prepare(model: nn.Module, spec: ArchSpec, sequences: torch.Tensor, *, batch_
     probe = sequences[:1].to(next(model.parameters()).device)
     with torch.no_grad():
         before = model(probe, use_cache=False).logits.float()
-    done = rotate_model(model, spec, rotation_statistics(model, spec, sequences, batch_size=batch_size))
+    done = rotate_model(model, spec, rotation_statistics(model, spec, sequences, batch_size=batch_size),
+                        residual=residual)
     with torch.no_grad():  # the fold must be exact; a norm it does not know (e.g. LayerNorm) would not be
         change = float((model(probe, use_cache=False).logits.float() - before).norm() / before.norm().clamp_min(1e-30))
     if not change < (1e-3 if before.dtype == next(model.parameters()).dtype else 5e-2):
@@ -270,5 +289,15 @@ register(Method(
                 "of o's input, all folded into the weights: 0 extra MACs; down as teal; untied LM head stored)",
     memory=MemoryNeed(decomposes=False, wide_sample_rows=True), style=dict(color="tab:olive", marker="h"),
     unsupported=unsupported, prepare=prepare))
+
+register(Method(
+    "larosa-heads", ("q", "k", "v", "o", "up", "gate", "down"),
+    (Step(("qkv_in",), "qkv_in", (), qkv), Step(("o",), "o", (), o_projection),
+     Step(("mlp_in",), "mlp_in", (), up_gate, "mlp"), Step(("down",), "down", (), down, "mlp")),
+    min_fraction=0.0,
+    description="ablation: larosa's per-KV-head rotations of o's input only (folded into v and o, 0 MACs, nothing "
+                "extra stored); the residual stream is not rotated, every other input as teal",
+    memory=MemoryNeed(decomposes=False, wide_sample_rows=True), ablation=True, style=dict(color="olive", marker="H"),
+    unsupported=lambda spec: _heads_unsupported(spec), prepare=partial(prepare, residual=False)))
 
 __all__ = ["principal_basis", "head_block_moments", "rotation_statistics", "rotate_model", "prepare", "unsupported"]
