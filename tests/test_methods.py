@@ -13,8 +13,9 @@ from rana.modules import InputSparseLinear
 from rana.compress.memory import estimate_memory
 from helpers import tiny_calibration, tiny_compress_config, tiny_model
 
-BUILT_IN = ("rana", "rana-paper", "wina", "cats", "svd", "teal", "rsparse", "rana-contrib", "rana-mixed", "rana-side")
-MAIN = 7
+BUILT_IN = ("rana", "rana-paper", "wina", "cats", "svd", "teal", "rsparse", "larosa", "rana-contrib", "rana-mixed",
+            "rana-side", "larosa-heads")
+MAIN = 8  # BUILT_IN[:MAIN] are the main methods, the rest ablations
 
 
 def test_names_list_the_main_methods_then_the_ablations():
@@ -36,6 +37,8 @@ def test_methods_declare_their_memory_needs():
         **{n: MemoryNeed(grid_search=True) for n in ("rana", "rana-paper", "rana-contrib", "rana-mixed", "wina", "rana-side")},
         "svd": MemoryNeed(stacked_gate_up=False, decomposes_down=True, wide_sample_rows=True),
         "teal": MemoryNeed(decomposes=False, wide_sample_rows=True),
+        "larosa": MemoryNeed(decomposes=False, wide_sample_rows=True),
+        "larosa-heads": MemoryNeed(decomposes=False, wide_sample_rows=True),
         "cats": MemoryNeed(decomposes=False),
         "rsparse": MemoryNeed(stacked_gate_up=False, decomposes_down=True, wide_sample_rows=True),  # an SVD per weight
     }

@@ -19,7 +19,7 @@ from ..methods import LayerContext, Method, get_method, qkv_modules, relative_er
 from ..units import DTYPES
 from .calibrate import capture_first_layer_inputs, collect_inputs, run_layer
 from .config import CompressConfig
-from .distributed import setup_from_env
+from .distributed import global_roles, setup_from_env
 from .placement import as_module_input
 from .profile import profile_and_allocate
 from .residency import Residency
@@ -53,6 +53,12 @@ def budget_for(model_config, method: Method, target: float, seq_len: int) -> tup
             f"--flops {target} is below what method '{method.name}' can reach on this model: the parts it does not "
             f"adapt already cost {(dense['total'] - adapted) / dense['total']:.3f} of the dense FLOPs; use --flops ≥ {math.ceil(floor * 1000) / 1000:.3f}")
     return min(f, 1.0), {"dense_macs": dense, "adapted_dense_macs": adapted, "unadapted_dense_macs": dense["total"] - adapted}
+
+
+def moment_sequences(fit: torch.Tensor, batch_size: int) -> torch.Tensor:
+    """The fit sequences whose batches feed second moments (the rest feed thresholds only)."""
+    roles = global_roles(math.ceil(len(fit) / batch_size))
+    return fit[:batch_size * sum(r != "sample" for r in roles)]
 
 
 def _module_outputs(modules: list[nn.Module], x: torch.Tensor) -> torch.Tensor:
@@ -93,6 +99,12 @@ def _compress_layers(model: nn.Module, tokenizer, config: CompressConfig, calibr
     spec = get_arch(model.config)
     device, offload = torch.device(config.device), torch.device(config.offload_device)
     layers = decoder_layers(model, spec)
+    # a method's model-level transform (larosa's folded rotations) runs on the dense model first
+    transform = None
+    if method.prepare is not None:
+        transform = method.prepare(model, spec, moment_sequences(calibration.fit, config.batch_size),
+                                   batch_size=config.batch_size,
+                                   streamed=lazy_weights is not None or bool(config.offload_dir))
     # everything but the decoder stack on the device; the stack in host RAM or on disk (rana.compress.residency)
     residency = Residency.create(model, spec, config, device, offload, lazy_weights)
     dtype = DTYPES[config.dtype]
@@ -132,7 +144,8 @@ def _compress_layers(model: nn.Module, tokenizer, config: CompressConfig, calibr
         "measured": {k: v for k, v in measured.items() if k != "modules"},
         "budget": budget_info,
         "config": config.to_dict(),
-        "wall_time_s": time.perf_counter() - t0,
+        "wall_time_s": time.perf_counter() - t0 + (transform or {}).get("seconds", 0.0),
+        **({"model_transform": transform} if transform else {}),
         "allocation": allocation.to_dict() if allocation else {"kind": "uniform", "fraction": fraction},
         "allocation_profile_s": t_profile if allocation else 0.0,
         "layers": layer_plans,

@@ -116,6 +116,9 @@ class Method:
     ablation: bool = False  # listed after the main methods (CLI help, `names()`)
     style: Mapping[str, str] = field(default_factory=lambda: {"marker": "x"})  # its curves in sweep figures
     unsupported: Callable[[ArchSpec], str | None] | None = None  # why it cannot run on an architecture
+    # a model-level transform before the layer loop (e.g. larosa's folded rotations):
+    # prepare(model, spec, fit_sequences, batch_size=, streamed=) -> what it did, for the plan
+    prepare: Callable[..., dict] | None = None
 
     def unsupported_reason(self, spec: ArchSpec) -> str | None:
         return self.unsupported(spec) if self.unsupported is not None else None
