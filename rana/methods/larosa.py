@@ -32,6 +32,7 @@ it in memory: not with layers streamed from disk).
 from __future__ import annotations
 
 import time
+from dataclasses import replace
 from functools import partial
 
 import torch
@@ -40,6 +41,7 @@ import torch.nn as nn
 from ..archs import ArchSpec, decoder_layers
 from ..archs.base import UnsupportedArchitectureError
 from .base import MemoryNeed, Method, Step, register
+from .rana import Candidates, rana_method
 from .teal import down, o_projection, qkv, up_gate
 
 
@@ -287,7 +289,7 @@ register(Method(
     min_fraction=0.0,
     description="LaRoSA: magnitude sparsity on PCA-rotated inputs (one residual rotation, per-KV-head rotations "
                 "of o's input, all folded into the weights: 0 extra MACs; down as teal; untied LM head stored)",
-    memory=MemoryNeed(decomposes=False, wide_sample_rows=True), style=dict(color="tab:olive", marker="h"),
+    memory=MemoryNeed(decomposes=False, wide_sample_rows=True), style=dict(color="black", marker="h"),
     unsupported=unsupported, prepare=prepare))
 
 register(Method(
@@ -298,6 +300,13 @@ register(Method(
     description="ablation: larosa's per-KV-head rotations of o's input only (folded into v and o, 0 MACs, nothing "
                 "extra stored); the residual stream is not rotated, every other input as teal",
     memory=MemoryNeed(decomposes=False, wide_sample_rows=True), ablation=True, style=dict(color="olive", marker="H"),
+    unsupported=lambda spec: _heads_unsupported(spec), prepare=partial(prepare, residual=False)))
+
+# rana with the one rotation that is free everywhere it applies: does the default gain from it?
+register(replace(
+    rana_method("rana-heads", Candidates(rank=False, sparse=True, score="magnitude"),
+                "ablation: as rana, after larosa's per-KV-head rotations of o's input (folded into v and o, 0 MACs, "
+                "nothing extra stored)", dict(color="dimgray", marker="H", ls=":"), ablation=True),
     unsupported=lambda spec: _heads_unsupported(spec), prepare=partial(prepare, residual=False)))
 
 __all__ = ["principal_basis", "head_block_moments", "rotation_statistics", "rotate_model", "prepare", "unsupported"]
