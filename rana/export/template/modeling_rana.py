@@ -25,7 +25,7 @@ from .archspec import SPEC, set_submodule
 from .cats import CatsActivation
 from .configuration_rana import RanaConfig
 from .laurel import LaurelConfig, apply_laurel
-from .neuron_linear import InputSparseLinear, NeuronThresholdLinear
+from .neuron_linear import InputSparseHead, InputSparseLinear, NeuronThresholdLinear
 from .rank_linear import RankAdapterLinear, RankSliceLinear, SharedRankCode
 
 RANA_CONFIG = "config.json (rana_adapters)"  # named in install_empty_adapters' error message
@@ -75,6 +75,8 @@ class RanaForCausalLM(_StockForCausalLM):
                     setattr(module, name, buf.float())
             if isinstance(module, NeuronThresholdLinear):
                 module.refresh_norms()
+            elif isinstance(module, InputSparseHead):
+                module.column_major_()  # a tied head's weight is the embedding's, loaded row-major
         return self
 
 
