@@ -22,7 +22,7 @@ from safetensors.torch import load_file, save_file
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
 from ..archs import ArchSpec, get_arch
-from ..modules import InputSparseHead, NeuronThresholdLinear
+from ..modules import NeuronThresholdLinear
 from ..modules.laurel import LaurelConfig, apply_laurel
 from .card import write_folder_card
 from .format import (FORMAT_VERSION, PLAN, RANA_CONFIG, WEIGHTS, WEIGHTS_INDEX, ModelLoadError, adapter_specs,
@@ -256,8 +256,6 @@ def load(path: Path | str, *, device: str = "cpu", dtype: torch.dtype | None = N
     for m in model.modules():
         if isinstance(m, NeuronThresholdLinear):
             m.refresh_norms()
-        elif isinstance(m, InputSparseHead):
-            m.column_major_()  # a tied head's weight is the (row-major) embedding's again after tie_weights()
     if dtype is not None:
         model = model.to(dtype)
     tokenizer = AutoTokenizer.from_pretrained(path) if (path / "tokenizer_config.json").exists() else None

@@ -77,24 +77,25 @@ class InputSparseHead(MacMeter, nn.Module):
     Unlike InputSparseLinear, the weight is this module's own `weight` parameter (not a child
     linear's), so `lm_head.weight` keeps its name: transformers' `tie_weights()` shares it with the
     input embedding as it does for the dense head, and checkpoints hold a tied matrix once. Given a
-    Parameter (a tied head's), the module keeps that very Parameter; `column_major_()` re-lays its
-    storage out in place (same values, the embedding reads them unchanged) so that one decode
-    token's masked GEMV skips one contiguous row of `weight.t()` per inactive input.
+    Parameter (a tied head's), the module keeps that very Parameter, in the embedding's row-major
+    layout (transformers' `save_pretrained` cannot handle a shared tensor stored otherwise); a
+    weight of its own is stored column-major, so that one decode token's masked GEMV skips one
+    contiguous row of `weight.t()` per inactive input. A row-major (tied) head decodes with the
+    masked dense product instead: the same FLOPs counted, no kernel.
     """
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, threshold: float):
         super().__init__()
-        self.weight = weight if isinstance(weight, nn.Parameter) else nn.Parameter(weight.detach().clone())
-        self.bias = None if bias is None else nn.Parameter(bias.detach().clone())
+        self.weight = weight if isinstance(weight, nn.Parameter) else nn.Parameter(weight.detach().t().contiguous().t())
+        self.register_parameter("bias", None if bias is None else nn.Parameter(bias.detach().clone()))
         self.register_buffer("threshold", torch.tensor(float(threshold), dtype=torch.float32))
         self.in_features, self.out_features = self.weight.shape[1], self.weight.shape[0]
         self.macs_dense = float(self.in_features * self.out_features)
         self._init_meter()
-        self.column_major_()
 
     @torch.no_grad()
     def column_major_(self) -> "InputSparseHead":
-        """Store the weight column-major (in place, the Parameter object kept: ties stay ties)."""
+        """Store an untied weight column-major again (after a loader replaced it by a row-major tensor)."""
         w = self._parameters["weight"]
         if w.device.type != "meta" and not w.t().is_contiguous():
             w.data = w.data.t().contiguous().t()

@@ -75,8 +75,8 @@ class RanaForCausalLM(_StockForCausalLM):
                     setattr(module, name, buf.float())
             if isinstance(module, NeuronThresholdLinear):
                 module.refresh_norms()
-            elif isinstance(module, InputSparseHead):
-                module.column_major_()  # a tied head's weight is the embedding's, loaded row-major
+            elif isinstance(module, InputSparseHead) and module.weight is not self.get_input_embeddings().weight:
+                module.column_major_()  # an untied head's own weight (a tied one stays the embedding's)
         return self
 
 
