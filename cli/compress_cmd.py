@@ -138,6 +138,9 @@ def register(app: typer.Typer) -> None:
              extra={"method": config.method, "compress_config": config.to_dict()})
         stdout.print(plan_table(result.plan))
         p = result.plan
+        if (head := p.get("lm_head", {})).get("kind", "dense") != "dense":
+            stdout.print(f"LM head: input sparsity, k̄={head['measured_active']:.0f}/{head['in_features']} inputs kept on "
+                         f"held-aside tokens, logits error {head['heldout_error']:.4f}", highlight=False, soft_wrap=True)
         stdout.print(f"target FLOPs {p['target_flops']:.3f}, measured {p['measured_flops']:.4f} on {p['measured_on']}; "
                      f"wrote {out}/ ({written_files(out)}) in {p['wall_time_s']:.0f}s", highlight=False, soft_wrap=True)
         if abs(p["measured_flops"] - p["target_flops"]) > 0.01:

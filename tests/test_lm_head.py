@@ -222,7 +222,7 @@ def test_cli_says_the_budget_and_warns(model_dir, calib_file, tmp_path):
     res = runner.invoke(app, ["compress", str(model_dir), "--flops", "0.55", "--lm-head", "sparse",
                               "--out", str(tmp_path / "shared"), "--dataset", str(calib_file), *SMALL])
     assert res.exit_code == 0, res.output
-    assert "warning:" not in res.output and "keeps" in res.output
+    assert "warning:" not in res.output and "keeps" in res.output and "LM head: input sparsity" in res.output
     plan = json.loads((tmp_path / "shared" / "plan.json").read_text())
     assert plan["lm_head"]["kind"] == "input_sparse" and abs(plan["measured_flops"] - 0.55) < 0.02
 
