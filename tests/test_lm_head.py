@@ -165,13 +165,17 @@ def test_untied_head_roundtrips_with_its_own_weight(tmp_path):
     model = tiny_model("qwen2", vocab_size=1024, tie_word_embeddings=False)
     compress_model(model, None, tiny_compress_config(flops=0.7, lm_head="sparse"), tiny_calibration(vocab=1024))
     assert model.lm_head.weight is not model.get_input_embeddings().weight
+    assert model.lm_head.weight.t().is_contiguous()  # its own weight in the masked GEMV's layout
     rio.save(model, None, tmp_path / "untied")
     with safe_open(str(tmp_path / "untied" / rio.WEIGHTS), framework="pt") as f:
         assert "lm_head.weight" in set(f.keys())
     loaded, _ = rio.load(tmp_path / "untied")
+    assert loaded.lm_head.weight.t().is_contiguous()
     prompt = _held_out(1024, 1)[:, :10]
     with torch.no_grad():
         assert torch.equal(loaded(prompt).logits, model(prompt).logits)
+        one, want = loaded(prompt[:, :1]).logits, model(prompt[:, :1]).logits  # the masked-GEMV path: its own order
+    assert torch.allclose(one, want, rtol=0, atol=1e-5 * want.abs().max().item())
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])

@@ -104,7 +104,8 @@ def compress_lm_head(model: nn.Module, spec: ArchSpec, fit: LayerInputs, held: L
     o, i = head.weight.shape
     keep = min(1.0, fraction)
     threshold = threshold_for_keep_fraction(subsample_rows(stats.fit, fit_sample_tokens).abs(), keep)
-    sparse = InputSparseHead(head.weight, head.bias, threshold)  # the same Parameter: a tie stays a tie
+    # tied: the same Parameter, so the tie stays a tie; untied: its own column-major copy (the decode kernel's layout)
+    sparse = InputSparseHead(head.weight if tied else head.weight.detach(), head.bias, threshold)
     set_submodule(model, spec.lm_head, sparse)
     x_held = as_module_input(stats.eval, sparse)
     with metering(sparse):
