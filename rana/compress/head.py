@@ -73,7 +73,7 @@ def harsh_budget_warning(info: dict) -> str | None:
     if info["lm_head"] == "dense" and info["lm_head_share"] >= LARGE_HEAD_SHARE:
         hint += f", or pass --lm-head sparse so the head ({info['lm_head_share']:.0%} of the FLOPs) shares the cut"
     return (f"the adapted projections keep only {info['projections_fraction']:.1%} of their MACs, below "
-            f"{HARSH_FRACTION:.0%}, where quality drops steeply (SmolLM2: perplexity ×1.2 at 60 %, ×2-3 at 43 %); {hint}")
+            f"{HARSH_FRACTION:.0%}, where quality drops steeply (SmolLM2: perplexity ×1.2 at 60%, ×2-3 at 43%); {hint}")
 
 
 class _HeadInput(nn.Module):
