@@ -21,7 +21,7 @@ from _paths import RESULTS, data_dir
 
 DATA = data_dir()
 TEXTS = {"pydoc_heldout": DATA / "text" / "pydoc_heldout.txt", "shakespeare": DATA / "text" / "shakespeare.txt",
-         "wikitext2": DATA / "eval" / "wikitext2_test.raw"}
+         "wikitext2_test": DATA / "eval" / "wikitext2_test.raw"}
 CALIB = DATA / "text" / "pydoc_calib.txt"
 
 
@@ -68,12 +68,13 @@ def main() -> None:
     for label, folder, eval_json in rows:
         model = json.loads(eval_json.read_text())["models"][0]
         plan = json.loads((folder / "plan.json").read_text()) if folder else None
-        budget = plan["budget"] if plan else None
+        budget = plan["budget"] if plan else {}
         table.append({
             "model": label,
             "target_flops": plan["target_flops"] if plan else 1.0,
-            "projections_fraction": budget["projections_fraction"] if budget else 1.0,
-            "lm_head_fraction": budget["lm_head_fraction"] if budget else 1.0,
+            # plans written before `--lm-head` existed hold no budget summary: the head was dense
+            "projections_fraction": budget.get("projections_fraction", plan["adapted_fraction"] if plan else 1.0),
+            "lm_head_fraction": budget.get("lm_head_fraction", 1.0),
             "measured_flops": model["flops"]["fraction"],
             "measured_lm_head_fraction": model["flops"]["by_part"]["other"]["fraction_of_part"],
             "ppl": {k: model["ppl"][k]["ppl"] for k in TEXTS},
