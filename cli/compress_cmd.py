@@ -43,6 +43,16 @@ def plan_table(plan: dict) -> Table:
     return t
 
 
+def report_budget(budget: dict) -> None:
+    """Before calibration: what the adapted projections, the layers and the LM head keep (one
+    line), and one warning line when that is harsh (rana.compress.head)."""
+    from rana.compress.head import describe_budget, harsh_budget_warning
+
+    console.print(describe_budget(budget), highlight=False, soft_wrap=True)
+    if (warning := harsh_budget_warning(budget)) is not None:
+        console.print(f"[yellow]warning:[/] {warning}", highlight=False, soft_wrap=True)
+
+
 def _with_recipe(ctx: typer.Context, options: dict, recipe: Optional[Path]) -> dict:
     """The settings to run: without a recipe the options as given; with one, the recipe's
     values overridden by the options actually typed on the command line."""
@@ -73,6 +83,9 @@ def register(app: typer.Typer) -> None:
         out: Path = typer.Option(..., "--out", "-o", help="output folder (must not exist unless --overwrite)"),
         method: str = typer.Option(CompressConfig.method, help=f"{' | '.join(names(ablations=False))} (ablations: {', '.join(names(ablations=True))})"),
         allocation: str = typer.Option(CompressConfig.allocation, help="FLOP allocation across layers: uniform (paper) | global (by measured sensitivity)"),
+        lm_head: str = typer.Option(CompressConfig.lm_head, "--lm-head", help="dense: the LM head stays dense and the layers absorb the "
+                                    "whole cut | sparse: input sparsity |x_j| ≥ t on the head's input, the same fraction of its MACs "
+                                    "as every adapted projection (tied embeddings stay tied)"),
         recipe: Optional[Path] = typer.Option(None, "--recipe", help="re-run a recipe.json (or the folder holding one) written with "
                                               "every compressed model; options given here override its values"),
         dataset: Optional[str] = typer.Option(None, help="calibration text: hub dataset name or local .txt/.jsonl/.parquet file or folder (default: bundled corpus)"),
@@ -101,7 +114,7 @@ def register(app: typer.Typer) -> None:
 
         if out.exists() and not overwrite:
             raise OutputExistsError(f"output folder '{out}' already exists; choose another --out or pass --overwrite")
-        options = dict(model=model, flops=flops, method=method, allocation=allocation, dataset=dataset,
+        options = dict(model=model, flops=flops, method=method, allocation=allocation, lm_head=lm_head, dataset=dataset,
                        dataset_config=dataset_config, split=split, text_column=text_column, calib_tokens=calib_tokens,
                        seq_len=seq_len, batch_size=batch_size, dtype=dtype, device=device, grid_step=grid_step, seed=seed,
                        max_memory=max_memory, offload_dir=str(offload_dir) if offload_dir else None)
@@ -118,13 +131,16 @@ def register(app: typer.Typer) -> None:
         check_inputs(config.model, seq_len=config.seq_len, out=out, data=[config.dataset], data_option="--dataset",
                      offload_dir=offload_dir)  # before any work starts
         with LazyProgress(f"compressing {config.model}") as progress:
-            result = run(config, progress=progress)
+            result = run(config, progress=progress, on_budget=report_budget)
         if not is_main_process():  # `accelerate launch`: every process holds the same model; one writes it
             return
         save(result.model, result.tokenizer, out, plan=result.plan, overwrite=overwrite, offloaded=result.offloaded,
              extra={"method": config.method, "compress_config": config.to_dict()})
         stdout.print(plan_table(result.plan))
         p = result.plan
+        if (head := p.get("lm_head", {})).get("kind", "dense") != "dense":
+            stdout.print(f"LM head: input sparsity, k̄={head['measured_active']:.0f}/{head['in_features']} inputs kept on "
+                         f"held-aside tokens, logits error {head['heldout_error']:.4f}", highlight=False, soft_wrap=True)
         stdout.print(f"target FLOPs {p['target_flops']:.3f}, measured {p['measured_flops']:.4f} on {p['measured_on']}; "
                      f"wrote {out}/ ({written_files(out)}) in {p['wall_time_s']:.0f}s", highlight=False, soft_wrap=True)
         if abs(p["measured_flops"] - p["target_flops"]) > 0.01:

@@ -76,7 +76,7 @@ def measured_macs(model: nn.Module, seq_len: int = 512) -> dict:
     parts = {
         "attention": sum(dense[k] for k in ATTENTION_PARTS),
         "mlp": sum(dense[k] for k in MLP_PARTS),
-        "other": dense["lm_head"],
+        "other": dense["lm_head"],  # the LM head: dense, or `--lm-head sparse`'s meter below (block_of: None)
     }
     measured = dict(parts)
     modules = {}

@@ -9,6 +9,7 @@ from ..io.format import CompressSettings
 from ..units import parse_memory
 
 from ..methods import METHODS  # the registry names, current when read
+from .head import LM_HEAD_CHOICES
 
 
 # Thresholds are quantiles of activation statistics: fewer fitting tokens than this give noisy,
@@ -37,6 +38,8 @@ class CompressConfig(CompressSettings):
             raise ValueError(f"unknown method '{self.method}' (choose from {', '.join(METHODS)})")
         if self.allocation not in ("uniform", "global"):
             raise ValueError(f"unknown allocation '{self.allocation}' (choose uniform or global)")
+        if self.lm_head not in LM_HEAD_CHOICES:
+            raise ValueError(f"unknown --lm-head '{self.lm_head}' (choose {' or '.join(LM_HEAD_CHOICES)})")
         if self.max_memory is not None:
             parse_memory(self.max_memory)
         if self.seq_len < 8:

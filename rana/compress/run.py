@@ -20,6 +20,7 @@ from ..units import DTYPES
 from .calibrate import capture_first_layer_inputs, collect_inputs, run_layer
 from .config import CompressConfig
 from .distributed import global_roles, setup_from_env
+from .head import budget_summary, compress_lm_head
 from .placement import as_module_input
 from .profile import profile_and_allocate
 from .residency import Residency
@@ -39,20 +40,24 @@ class CompressResult:
     offloaded: OffloadedLayers | None = None
 
 
-def budget_for(model_config, method: Method, target: float, seq_len: int) -> tuple[float, dict]:
-    """The fraction of the adapted parts' dense cost that makes the whole model spend `target`."""
+def budget_for(model_config, method: Method, target: float, seq_len: int, lm_head: str = "dense") -> tuple[float, dict]:
+    """The fraction of the adapted parts' dense cost that makes the whole model spend `target`
+    (`lm_head` "sparse": the LM head is one of the adapted parts, rana.compress.head)."""
     if (problem := method.unsupported_reason(get_arch(model_config))) is not None:
         raise UnsupportedArchitectureError(problem)
     dense = dense_macs(model_config, seq_len)
     per_layer = dense_macs_per_layer(model_config, seq_len)
-    adapted = sum(d[p] for d in per_layer for p in method.adapted_parts)
+    in_layers = sum(d[p] for d in per_layer for p in method.adapted_parts)
+    adapted = in_layers + (dense["lm_head"] if lm_head == "sparse" else 0.0)
     f = adapted_fraction(target, dense["total"], adapted)
     floor = (dense["total"] - adapted * (1 - method.min_fraction)) / dense["total"]
     if f < method.min_fraction or f <= 0:
         raise BudgetError(
             f"--flops {target} is below what method '{method.name}' can reach on this model: the parts it does not "
             f"adapt already cost {(dense['total'] - adapted) / dense['total']:.3f} of the dense FLOPs; use --flops ≥ {math.ceil(floor * 1000) / 1000:.3f}")
-    return min(f, 1.0), {"dense_macs": dense, "adapted_dense_macs": adapted, "unadapted_dense_macs": dense["total"] - adapted}
+    f = min(f, 1.0)
+    return f, {"dense_macs": dense, "adapted_dense_macs": adapted, "unadapted_dense_macs": dense["total"] - adapted,
+               **budget_summary(dense, in_layers, f, lm_head)}
 
 
 def moment_sequences(fit: torch.Tensor, batch_size: int) -> torch.Tensor:
@@ -82,12 +87,16 @@ def _step_error(ctx: LayerContext, step_name: str, stats) -> Callable[[], float]
 
 def compress_model(model: nn.Module, tokenizer, config: CompressConfig, calibration,
                    progress: Callable[[str, int, int], None] | None = None, *,
-                   lazy_weights: LazyWeights | None = None) -> CompressResult:
+                   lazy_weights: LazyWeights | None = None,
+                   on_budget: Callable[[dict], None] | None = None) -> CompressResult:
     """Compress `model` in place with calibration sequences (`calibration.fit`, `.heldout`).
-    `lazy_weights`: the checkpoint a model from `load_lazy` streams its decoder layers from."""
+    `lazy_weights`: the checkpoint a model from `load_lazy` streams its decoder layers from.
+    `on_budget`: called with the budget (plan.json's `budget`) before any calibration work."""
     config.validate()
     method = get_method(config.method)
-    fraction, budget_info = budget_for(model.config, method, config.flops, config.seq_len)
+    fraction, budget_info = budget_for(model.config, method, config.flops, config.seq_len, config.lm_head)
+    if on_budget:
+        on_budget(budget_info)
     return _compress_layers(model, tokenizer, config, calibration, method, fraction, budget_info, progress, lazy_weights)
 
 
@@ -132,6 +141,10 @@ def _compress_layers(model: nn.Module, tokenizer, config: CompressConfig, calibr
         residency.release(idx, layer)
         if progress:
             progress("layers", idx + 1, len(layers))
+    head_plan = None
+    if config.lm_head == "sparse" and fraction < 1.0:  # calibrated on the compressed layers' outputs
+        head_plan = compress_lm_head(model, spec, fit, held, fraction, fit_sample_tokens=config.fit_sample_tokens,
+                                     search_tokens=config.search_tokens, device=device, layer_index=len(layers))
     measured = measured_macs(model, config.seq_len)
     _attach_measurements(layer_plans, spec.layers, measured["modules"])
     plan = {
@@ -149,6 +162,7 @@ def _compress_layers(model: nn.Module, tokenizer, config: CompressConfig, calibr
         "allocation": allocation.to_dict() if allocation else {"kind": "uniform", "fraction": fraction},
         "allocation_profile_s": t_profile if allocation else 0.0,
         "layers": layer_plans,
+        "lm_head": head_plan or {"kind": "dense"},
     }
     offloaded = residency.finish(model, plan)
     return CompressResult(model=model, tokenizer=tokenizer, plan=plan, offloaded=offloaded)
@@ -224,14 +238,17 @@ def setup_distributed(config: CompressConfig) -> CompressConfig:
     return config if device == config.device else replace(config, device=device)
 
 
-def compress(config: CompressConfig, progress: Callable[[str, int, int], None] | None = None) -> CompressResult:
-    """Load the model and calibration data named by `config`, then compress."""
+def compress(config: CompressConfig, progress: Callable[[str, int, int], None] | None = None,
+             on_budget: Callable[[dict], None] | None = None) -> CompressResult:
+    """Load the model and calibration data named by `config`, then compress (`on_budget`: see compress_model)."""
     config.validate()
     config = setup_distributed(config)
     model, tokenizer, lazy_weights = load_for_compression(config)  # host RAM, or streamed from disk
     method = get_method(config.method)
     # an unsupported architecture or an unreachable target fails before any calibration text is read
-    fraction, budget_info = budget_for(model.config, method, config.flops, config.seq_len)
+    fraction, budget_info = budget_for(model.config, method, config.flops, config.seq_len, config.lm_head)
+    if on_budget:
+        on_budget(budget_info)
     calibration = calibration_data(config, tokenizer)
     result = _compress_layers(model, tokenizer, config, calibration, method, fraction, budget_info, progress, lazy_weights)
     result.plan["model"] = config.model

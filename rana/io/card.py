@@ -33,8 +33,8 @@ RECIPE_VERSION = 1
 # package-shipped aliases whose weights are a conversion of a hub model (for `base_model`)
 _ALIAS_BASE_MODELS = {"smollm2-135m": "HuggingFaceTB/SmolLM2-135M-Instruct"}
 # CompressConfig fields that `rana compress` takes as options (the rest only travel in recipes)
-_CLI_FIELDS = ("flops", "method", "allocation", "dataset", "dataset_config", "split", "text_column", "calib_tokens",
-               "seq_len", "batch_size", "dtype", "device", "grid_step", "seed", "max_memory", "offload_dir")
+_CLI_FIELDS = ("flops", "method", "allocation", "lm_head", "dataset", "dataset_config", "split", "text_column",
+               "calib_tokens", "seq_len", "batch_size", "dtype", "device", "grid_step", "seed", "max_memory", "offload_dir")
 
 
 class RecipeError(ValueError):
@@ -192,6 +192,7 @@ def _plan_table(plan: dict, meta: dict) -> list[str]:
     rows = [("method", f"`{plan.get('method')}`"),
             ("target FLOP fraction", _fmt(plan.get("target_flops"), 3)),
             ("allocation", config.get("allocation", "uniform")),
+            ("LM head", config.get("lm_head", "dense")),
             ("adapted components' fraction", _fmt(plan.get("adapted_fraction"))),
             ("calibration text", f"`{config.get('dataset')}`" if config.get("dataset") else "rana's bundled Python-docs corpus"),
             ("calibration tokens / sequence length", f"{config.get('calib_tokens')} / {config.get('seq_len')}"),

@@ -88,7 +88,9 @@ def save(model: nn.Module, tokenizer, out: Path, *, plan: dict | None = None, ex
             model.generation_config.save_pretrained(tmp)
         if offloaded is not None:
             offloaded.write_weights(tmp, _state_dict_for_saving(model))
-            adapters = offloaded.adapter_specs()
+            # the layers' adapters as written layer by layer, then any outside the stack (a sparse LM head)
+            adapters = offloaded.adapter_specs() + [s for s in adapter_specs(model)
+                                                    if not s["path"].startswith(offloaded.spec.layers + ".")]
         else:
             save_file(_state_dict_for_saving(model), str(tmp / WEIGHTS), metadata={"format": "pt"})
             adapters = adapter_specs(model)
@@ -118,7 +120,8 @@ def _load_weights(path: Path) -> dict[str, torch.Tensor]:
 
 _ADAPTER_FIELDS = {  # required integer fields (>= 1) of each adapter type in rana_config.json
     "rank": ("in", "out", "rank"), "shared_code": ("in", "out", "rank", "consumers"), "rank_slice": ("out", "rank"),
-    "neuron": ("in", "out"), "input_sparse": ("in", "out"), "cats": ("hidden", "intermediate"),
+    "neuron": ("in", "out"), "input_sparse": ("in", "out"), "input_sparse_head": ("in", "out"),
+    "cats": ("hidden", "intermediate"),
 }
 _DTYPE_NAMES = ("float32", "bfloat16", "float16")
 
@@ -149,7 +152,7 @@ def read_meta(path: Path) -> dict:
                 v = a.get(key)
                 if isinstance(v, bool) or not isinstance(v, int) or v < 1:
                     raise ValueError(f"adapter '{a['path']}': '{key}' must be a positive integer, got {v!r}")
-            if kind in ("rank", "rank_slice", "neuron", "input_sparse") and not isinstance(a.get("bias"), bool):
+            if kind in ("rank", "rank_slice", "neuron", "input_sparse", "input_sparse_head") and not isinstance(a.get("bias"), bool):
                 raise ValueError(f"adapter '{a['path']}': 'bias' must be true or false")
             if kind == "rank_slice" and a.get("code") not in codes:
                 raise ValueError(f"adapter '{a['path']}': its code {a.get('code')!r} is not a shared_code adapter")

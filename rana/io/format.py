@@ -18,8 +18,8 @@ import torch
 import torch.nn as nn
 
 from ..archs import set_submodule
-from ..modules import (CatsActivation, InputSparseLinear, NeuronThresholdLinear, RankAdapterLinear, RankSliceLinear,
-                       SharedRankCode, SparseLowRankLinear)
+from ..modules import (CatsActivation, InputSparseHead, InputSparseLinear, NeuronThresholdLinear, RankAdapterLinear,
+                       RankSliceLinear, SharedRankCode, SparseLowRankLinear)
 
 FORMAT_VERSION = 1
 WEIGHTS = "model.safetensors"
@@ -58,6 +58,7 @@ class CompressSettings:
     allocation: str = "uniform"  # "uniform" (paper: same fraction everywhere) or "global" (measured sensitivity)
     max_memory: str | None = None  # cap on compute-device memory, e.g. "2GB" (rana.compress.memory)
     offload_dir: str | None = None  # stream layers from disk; compressed layers + activations kept here
+    lm_head: str = "dense"  # "dense", or "sparse": input sparsity on the LM head's input (rana.compress.head)
 
     def to_dict(self) -> dict:
         return {"format_version": FORMAT_VERSION, **asdict(self)}
@@ -121,6 +122,11 @@ def adapter_specs(model: nn.Module) -> list[dict]:
         elif isinstance(m, SparseLowRankLinear):
             specs.append({"path": name, "type": "sparse_lowrank", "in": m.in_features, "out": m.out_features,
                           "rank": m.rank, "bias": m.linear.bias is not None, "threshold": f(float(m.threshold))})
+        elif isinstance(m, InputSparseHead):
+            # tied: the weight is the input embedding's, stored once under the embedding's key
+            specs.append({"path": name, "type": "input_sparse_head", "in": m.in_features, "out": m.out_features,
+                          "bias": m.bias is not None, "threshold": f(float(m.threshold)),
+                          "tied": m.weight is getattr(model.get_input_embeddings(), "weight", None)})
         elif isinstance(m, InputSparseLinear):
             specs.append({"path": name, "type": "input_sparse", "in": m.in_features, "out": m.out_features,
                           "bias": m.linear.bias is not None, "threshold": f(float(m.threshold))})
@@ -152,6 +158,8 @@ def install_empty_adapters(model: nn.Module, specs: list[dict], dtype: torch.dty
                                     z(s["out"], s["rank"]), z(s["rank"], s["in"]))
         elif s["type"] == "input_sparse":
             m = InputSparseLinear(z(s["out"], s["in"]), z(s["out"]) if s["bias"] else None, t)
+        elif s["type"] == "input_sparse_head":  # a tied weight is the embedding's again after tie_weights()
+            m = InputSparseHead(z(s["out"], s["in"]), z(s["out"]) if s["bias"] else None, t)
         elif s["type"] == "cats":
             m = CatsActivation(model.get_submodule(s["path"]), t, s["hidden"], s["intermediate"])
         else:

@@ -2,12 +2,13 @@
 from .cats import CatsActivation
 from .common import MacMeter, column_major_linear
 from .groups import DecodeGroup, link_decode_groups, link_layer, relink
-from .neuron_linear import InputSparseLinear, NeuronThresholdLinear, SparseLowRankLinear
+from .neuron_linear import InputSparseHead, InputSparseLinear, NeuronThresholdLinear, SparseLowRankLinear
 from .rank_linear import RankAdapterLinear, RankSliceLinear, SharedRankCode
 
 __all__ = [
     "CatsActivation",
     "DecodeGroup",
+    "InputSparseHead",
     "InputSparseLinear",
     "MacMeter",
     "NeuronThresholdLinear",

@@ -1,9 +1,11 @@
-"""Input-masked linears: neuron thresholding for down projections, magnitude sparsity (TEAL)."""
+"""Input-masked linears: neuron thresholding for down projections, magnitude sparsity (TEAL), and the
+LM head with magnitude sparsity on its input."""
 from __future__ import annotations
 
 import torch
 import torch.nn as nn
 
+from ..kernels.ops import decode_masked
 from .common import MacMeter, column_major_linear, decode_linear
 
 
@@ -132,3 +134,50 @@ class SparseLowRankLinear(MacMeter, nn.Module):
     def extra_repr(self) -> str:
         return (f"in={self.in_features}, out={self.out_features}, rank={self.rank}, "
                 f"threshold={float(self.threshold):.4g}")
+
+
+class InputSparseHead(MacMeter, nn.Module):
+    """The LM head as input sparsity: `W (m ⊙ x)`, `m_j = 1{|x_j| ≥ t}` on the final normed hidden state.
+
+    Unlike InputSparseLinear, the weight is this module's own `weight` parameter (not a child
+    linear's), so `lm_head.weight` keeps its name: transformers' `tie_weights()` shares it with the
+    input embedding as it does for the dense head, and checkpoints hold a tied matrix once. Given a
+    Parameter (a tied head's), the module keeps that very Parameter, in the embedding's row-major
+    layout (transformers' `save_pretrained` cannot handle a shared tensor stored otherwise); a
+    weight of its own is stored column-major, so that one decode token's masked GEMV skips one
+    contiguous row of `weight.t()` per inactive input. A row-major (tied) head decodes with the
+    masked dense product instead: the same FLOPs counted, no kernel.
+    """
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, threshold: float):
+        super().__init__()
+        self.weight = weight if isinstance(weight, nn.Parameter) else nn.Parameter(weight.detach().t().contiguous().t())
+        self.register_parameter("bias", None if bias is None else nn.Parameter(bias.detach().clone()))
+        self.register_buffer("threshold", torch.tensor(float(threshold), dtype=torch.float32))
+        self.in_features, self.out_features = self.weight.shape[1], self.weight.shape[0]
+        self.macs_dense = float(self.in_features * self.out_features)
+        self._init_meter()
+
+    @torch.no_grad()
+    def column_major_(self) -> "InputSparseHead":
+        """Store an untied weight column-major again (after a loader replaced it by a row-major tensor)."""
+        w = self._parameters["weight"]
+        if w.device.type != "meta" and not w.t().is_contiguous():
+            w.data = w.data.t().contiguous().t()
+        return self
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not self.training and not self.meter_on and x.numel() == x.shape[-1]:
+            w = self._parameters["weight"]
+            # the masked GEMV reads weight.t() row by row: only in that layout (else it would copy the head per token)
+            if w.t().is_contiguous() and not (torch.is_grad_enabled() and (w.requires_grad or x.requires_grad)):
+                return decode_masked(w.t(), x, self._buffers["threshold"], "abs", None, self._parameters["bias"])
+        mask = x.abs() >= self.threshold
+        self._record(mask)
+        return nn.functional.linear(x * mask, self.weight, self.bias)
+
+    def measured_macs(self) -> float:
+        return self.out_features * self.mean_active()
+
+    def extra_repr(self) -> str:
+        return f"in={self.in_features}, out={self.out_features}, threshold={float(self.threshold):.4g}"

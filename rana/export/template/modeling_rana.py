@@ -27,7 +27,7 @@ from .cats import CatsActivation
 from .configuration_rana import RanaConfig
 from .groups import link_decode_groups
 from .laurel import LaurelConfig, apply_laurel
-from .neuron_linear import InputSparseLinear, NeuronThresholdLinear, SparseLowRankLinear
+from .neuron_linear import InputSparseHead, InputSparseLinear, NeuronThresholdLinear, SparseLowRankLinear
 from .rank_linear import RankAdapterLinear, RankSliceLinear, SharedRankCode
 
 RANA_CONFIG = "config.json (rana_adapters)"  # named in install_empty_adapters' error message
@@ -79,6 +79,8 @@ class RanaForCausalLM(_StockForCausalLM):
                     setattr(module, name, buf.float())
             if isinstance(module, NeuronThresholdLinear):
                 module.refresh_norms()
+            elif isinstance(module, InputSparseHead) and module.weight is not self.get_input_embeddings().weight:
+                module.column_major_()  # an untied head's own weight (a tied one stays the embedding's)
         return self
 
 
