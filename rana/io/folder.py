@@ -89,8 +89,7 @@ def save(model: nn.Module, tokenizer, out: Path, *, plan: dict | None = None, ex
         if offloaded is not None:
             offloaded.write_weights(tmp, _state_dict_for_saving(model))
             # the layers' adapters as written layer by layer, then any outside the stack (a sparse LM head)
-            adapters = offloaded.adapter_specs() + [s for s in adapter_specs(model)
-                                                    if not s["path"].startswith(offloaded.spec.layers + ".")]
+            adapters = offloaded.adapter_specs() + adapter_specs(model, outside=offloaded.spec.layers)
         else:
             save_file(_state_dict_for_saving(model), str(tmp / WEIGHTS), metadata={"format": "pt"})
             adapters = adapter_specs(model)

@@ -100,12 +100,16 @@ def threshold_from_json(t) -> float:
     return float(t)
 
 
-def adapter_specs(model: nn.Module) -> list[dict]:
+def adapter_specs(model: nn.Module, *, outside: str | None = None) -> list[dict]:
     """A JSON description of every adapter module, enough to rebuild empty ones (plus, when known, the
-    expected active fraction that picks the decode kernels' sparsity bin)."""
+    expected active fraction that picks the decode kernels' sparsity bin). `outside`: only the adapters
+    not under that module path (a streamed model's layers are on the meta device; their specs were
+    written layer by layer)."""
     f = threshold_to_json
     specs = []
     for name, m in model.named_modules():
+        if outside is not None and (name == outside or name.startswith(outside + ".")):
+            continue
         if isinstance(m, RankAdapterLinear):
             specs.append({"path": name, "type": "rank", "in": m.in_features, "out": m.out_features, "rank": m.rank,
                           "bias": m.A.bias is not None, "threshold": f(float(m.threshold))})
