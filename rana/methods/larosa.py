@@ -282,10 +282,13 @@ def prepare(model: nn.Module, spec: ArchSpec, sequences: torch.Tensor, *, batch_
     return {**done, "fold_check_relative_change": change, "seconds": time.perf_counter() - t0}
 
 
+# thresholds as teal's, on the rotated inputs
+_STEPS = (Step(("qkv_in",), "qkv_in", (), qkv), Step(("o",), "o", (), o_projection),
+          Step(("mlp_in",), "mlp_in", (), up_gate, "mlp"), Step(("down",), "down", (), down, "mlp"))
+
 register(Method(
     "larosa", ("q", "k", "v", "o", "up", "gate", "down"),
-    (Step(("qkv_in",), "qkv_in", (), qkv), Step(("o",), "o", (), o_projection),
-     Step(("mlp_in",), "mlp_in", (), up_gate, "mlp"), Step(("down",), "down", (), down, "mlp")),
+    _STEPS,
     min_fraction=0.0,
     description="LaRoSA: magnitude sparsity on PCA-rotated inputs (one residual rotation, per-KV-head rotations "
                 "of o's input, all folded into the weights: 0 extra MACs; down as teal; untied LM head stored)",
@@ -294,12 +297,11 @@ register(Method(
 
 register(Method(
     "larosa-heads", ("q", "k", "v", "o", "up", "gate", "down"),
-    (Step(("qkv_in",), "qkv_in", (), qkv), Step(("o",), "o", (), o_projection),
-     Step(("mlp_in",), "mlp_in", (), up_gate, "mlp"), Step(("down",), "down", (), down, "mlp")),
+    _STEPS,
     min_fraction=0.0,
     description="ablation: larosa's per-KV-head rotations of o's input only (folded into v and o, 0 MACs, nothing "
                 "extra stored); the residual stream is not rotated, every other input as teal",
-    memory=MemoryNeed(decomposes=False, wide_sample_rows=True), ablation=True, style=dict(color="olive", marker="H"),
+    memory=MemoryNeed(decomposes=False, wide_sample_rows=True), ablation=True, style=dict(color="darkkhaki", marker="H"),
     unsupported=lambda spec: _heads_unsupported(spec), prepare=partial(prepare, residual=False)))
 
 # rana with the one rotation that is free everywhere it applies: does the default gain from it?
