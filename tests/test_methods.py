@@ -27,6 +27,8 @@ def test_names_list_the_main_methods_then_the_ablations():
         assert method.name == name and method.description and method.steps and method.style.get("marker")
     with pytest.raises(ValueError, match="unknown method 'nope'"):
         get_method("nope")
+    with pytest.raises(ValueError, match="unknown method 'rana-wina' \\(renamed 'wina'\\)"):
+        get_method("rana-wina")
     assert "fuses gate and up" in unsupported_reason("cats", get_arch(tiny_model("phi3").config))
     assert "non-gated MLP" in unsupported_reason("cats", get_arch(tiny_model("gpt_neox").config))
     assert all(unsupported_reason(n, get_arch(tiny_model("llama").config)) is None for n in BUILT_IN)

@@ -9,6 +9,7 @@ from ..io.format import CompressSettings
 from ..units import parse_memory
 
 from ..methods import METHODS  # the registry names, current when read
+from ..methods.base import RENAMED
 from .head import LM_HEAD_CHOICES
 
 
@@ -35,7 +36,8 @@ class CompressConfig(CompressSettings):
         if not 0.0 < self.flops <= 1.0:
             raise ValueError(f"--flops must be in (0, 1], got {self.flops}: it is the fraction of the dense model's FLOPs to keep")
         if self.method not in METHODS:
-            raise ValueError(f"unknown method '{self.method}' (choose from {', '.join(METHODS)})")
+            renamed = f"renamed '{RENAMED[self.method]}'; " if self.method in RENAMED else ""
+            raise ValueError(f"unknown method '{self.method}' ({renamed}choose from {', '.join(METHODS)})")
         if self.allocation not in ("uniform", "global"):
             raise ValueError(f"unknown allocation '{self.allocation}' (choose uniform or global)")
         if self.lm_head not in LM_HEAD_CHOICES:

@@ -139,11 +139,15 @@ def unregister(name: str) -> Method:
     return _REGISTRY.pop(name)
 
 
+RENAMED = {"rana-wina": "wina"}  # old name -> new name, for the one-line error an old command gets
+
+
 def get_method(name: str) -> Method:
     try:
         return _REGISTRY[name]
     except KeyError:
-        raise ValueError(f"unknown method '{name}'") from None
+        hint = f" (renamed '{RENAMED[name]}')" if name in RENAMED else ""
+        raise ValueError(f"unknown method '{name}'{hint}") from None
 
 
 def names(*, ablations: bool | None = None) -> tuple[str, ...]:
