@@ -47,6 +47,8 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--figure-flops", type=float, default=None, help="budget for the per-layer figures (default: smallest)")
     ap.add_argument("--allocation", default="uniform", choices=["uniform", "global"],
                     help="FLOP allocation across layers (global: by measured sensitivity; use another --out)")
+    ap.add_argument("--lm-head", default="dense", choices=["dense", "sparse"],
+                    help="sparse: the LM head adapted like every projection (use another --out)")
     ap.add_argument("--out", type=Path, default=OUT)
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
@@ -61,7 +63,7 @@ def main(argv: list[str] | None = None) -> dict:
                          methods=args.methods.split(","), flops=[float(f) for f in args.flops.split(",")],
                          dense="dense" in args.methods.split(","), dataset=str(CALIB), calib_tokens=args.calib_tokens,
                          seq_len=args.seq_len, eval_tokens=args.eval_tokens, figure_flops=args.figure_flops,
-                         allocation=args.allocation, device=args.device)
+                         allocation=args.allocation, lm_head=args.lm_head, device=args.device)
     from rana.cli.common import LazyProgress, console, print_wide, setup_environment
     from rana.cli.sweep_cmd import results_table
 

@@ -68,6 +68,7 @@ def register(app: typer.Typer) -> None:
         device: str = typer.Option(SweepConfig.device, help="compute device (cpu, cuda, …)"),
         grid_step: float = typer.Option(SweepConfig.grid_step, help="MLP budget-split grid step"),
         allocation: str = typer.Option(SweepConfig.allocation, help="FLOP allocation across layers: uniform (paper) | global (by measured sensitivity)"),
+        lm_head: str = typer.Option(SweepConfig.lm_head, "--lm-head", help="dense | sparse: the LM head adapted like every projection (as `rana compress --lm-head`)"),
         seed: int = typer.Option(SweepConfig.seed),
         save_models: bool = typer.Option(SweepConfig.save_models, "--save-models", help="also save each compressed model under OUT/models/"),
     ) -> None:
@@ -81,8 +82,8 @@ def register(app: typer.Typer) -> None:
                              text_column=text_column, calib_tokens=calib_tokens, seq_len=seq_len, eval_tokens=eval_tokens,
                              ppl_protocol=ppl_protocol,
                              batch_size=batch_size, eval_batch_size=eval_batch_size, figure_flops=figure_flops,
-                             dtype=dtype, device=device, grid_step=grid_step, allocation=allocation, seed=seed,
-                             save_models=save_models)
+                             dtype=dtype, device=device, grid_step=grid_step, allocation=allocation, lm_head=lm_head,
+                             seed=seed, save_models=save_models)
         config.validate()
         resolve(model, dense=True)  # fail fast on an unknown model (or a rana folder)
         from rana.io.models import model_inputs

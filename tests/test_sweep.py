@@ -127,3 +127,19 @@ def test_sweep_user_errors(setup, tmp_path):
     assert res.exit_code == 2 and "unknown method" in res.output
     res = CliRunner().invoke(app, _args(setup, tmp_path / "o", "teal", "0.8,x"))
     assert res.exit_code == 2 and "--flops" in res.output
+
+
+def test_sweep_with_a_sparse_lm_head(setup, tmp_path):
+    """--lm-head sparse reaches every point's compression (the head's inputs are metered: 'other' < 1)
+    and is part of the settings a stored point is reused under; a bad value is one line."""
+    from rana.cli.app import app
+
+    out = tmp_path / "sw"
+    res = CliRunner().invoke(app, _args(setup, out, "teal", "0.7", "--lm-head", "sparse", "--no-dense"))
+    assert res.exit_code == 0, res.output
+    point = json.loads((out / "points" / "teal_0.7.json").read_text())
+    assert point["compress_settings"]["lm_head"] == "sparse"
+    assert point["flops"]["by_part"]["other"]["fraction_of_part"] < 1.0
+    assert point["flops"]["fraction"] == pytest.approx(0.7, abs=0.03)
+    bad = CliRunner().invoke(app, _args(setup, tmp_path / "bad", "teal", "0.7", "--lm-head", "int8"))
+    assert bad.exit_code != 0 and "unknown --lm-head 'int8'" in bad.output and "Traceback" not in bad.output

@@ -19,6 +19,7 @@ from pathlib import Path
 import torch
 
 from ..compress import BudgetError, CompressConfig, calibration_data, compress_model
+from ..compress.head import LM_HEAD_CHOICES
 from ..evaluation import Progress, evaluate_model, ppl_protocol, rank_adapters, rank_contributions, text_labels
 from ..evaluation.perplexity import PplProtocol, ppl_preset, protocol_tokens
 from ..io import save
@@ -55,6 +56,7 @@ class SweepConfig:
     device: str = CompressConfig.device
     grid_step: float = CompressConfig.grid_step
     allocation: str = CompressConfig.allocation  # uniform (paper) or global (per-layer, measured)
+    lm_head: str = CompressConfig.lm_head  # dense, or sparse: the LM head adapted like every projection
     seed: int = CompressConfig.seed
     save_models: bool = False
 
@@ -80,6 +82,8 @@ class SweepConfig:
                 raise ValueError(f"--flops must be in (0, 1], got {f}: it is the fraction of the dense model's FLOPs to keep")
         if not self.ppl_data:
             raise ValueError("pass at least one --ppl-data text to evaluate on (never the calibration text)")
+        if self.lm_head not in LM_HEAD_CHOICES:
+            raise ValueError(f"unknown --lm-head '{self.lm_head}' (choose {' or '.join(LM_HEAD_CHOICES)})")
         if self.eval_batch_size < 1:
             raise ValueError(f"--eval-batch-size must be a positive integer, got {self.eval_batch_size}")
         window = self.eval_protocol().window
@@ -94,7 +98,7 @@ class SweepConfig:
                               dataset_config=self.dataset_config, split=self.split, text_column=self.text_column,
                               calib_tokens=self.calib_tokens, seq_len=self.seq_len, batch_size=self.batch_size,
                               dtype=self.dtype, device=self.device, grid_step=self.grid_step, seed=self.seed,
-                              allocation=self.allocation)
+                              allocation=self.allocation, lm_head=self.lm_head)
 
     def eval_protocol(self) -> PplProtocol:
         """The perplexity protocol: `rana` windows are `seq_len` long, the other presets keep their own."""
@@ -110,9 +114,12 @@ class SweepConfig:
 
     def compress_settings(self) -> dict:
         """What a point's compression depends on, besides method and budget."""
-        return {"dataset": self.dataset, "dataset_config": self.dataset_config, "split": self.split,
-                "text_column": self.text_column, "calib_tokens": self.calib_tokens, "grid_step": self.grid_step,
-                "allocation": self.allocation, "seed": self.seed}
+        settings = {"dataset": self.dataset, "dataset_config": self.dataset_config, "split": self.split,
+                    "text_column": self.text_column, "calib_tokens": self.calib_tokens, "grid_step": self.grid_step,
+                    "allocation": self.allocation, "seed": self.seed}
+        if self.lm_head != "dense":  # points stored before --lm-head existed stay valid for a dense head
+            settings["lm_head"] = self.lm_head
+        return settings
 
     def figure_budget(self) -> float | None:
         if self.figure_flops is not None:
