@@ -285,16 +285,18 @@ def grid_search_mlp(
             if c is not None and c.error < best.error:
                 best = c
     if down_side is not None and not weighted_down:
-        best = _with_down_side(best, x_fit, x_eval, up, gate, hidden, down_w, down_side, ref_out, ref_energy)
+        # the chosen split's up'/gate' outputs are in component's cache (same budgets as in `score`)
+        u = component("up", best.shares[0] * budget)
+        g = component("gate", best.shares[1] * budget) if gate is not None else None
+        h_fit, h_eval = hidden(u[1], g[1] if g else None), hidden(u[2], g[2] if g else None)
+        best = _with_down_side(best, h_fit, h_eval, down_w, down_side, ref_out, ref_energy)
     return best
 
 
-def _with_down_side(best: MlpChoice, x_fit, x_eval, up, gate, hidden, down_w, down_side: Svd, ref_out,
-                    ref_energy) -> MlpChoice:
-    """Re-spend the chosen split's down budget on magnitude sparsity plus a side path (only the
-    final split: searching it inside every split would multiply the grid's cost)."""
-    h_fit = hidden(_adapted_output(up, best.up, x_fit), _adapted_output(gate, best.gate, x_fit) if gate else None)
-    h_eval = hidden(_adapted_output(up, best.up, x_eval), _adapted_output(gate, best.gate, x_eval) if gate else None)
+def _with_down_side(best: MlpChoice, h_fit: torch.Tensor, h_eval: torch.Tensor, down_w: torch.Tensor, down_side: Svd,
+                    ref_out: torch.Tensor, ref_energy: float) -> MlpChoice:
+    """Re-spend the chosen split's down budget (its hidden states h) on magnitude sparsity plus a side
+    path (only the final split: searching it inside every split would multiply the grid's cost)."""
     c = sparse_lowrank_choice(h_fit, h_eval, down_w, best.down_macs, svd=down_side)
     if c.dense or c.rank == 0:
         return best

@@ -9,6 +9,8 @@ layer-local, training-free counterpart under the same accounting as every other 
 """
 from __future__ import annotations
 
+from typing import Callable
+
 import torch
 
 from ..math.search import side_path_choice
@@ -26,7 +28,7 @@ def _adapt(ctx: LayerContext, path: str, x_fit: torch.Tensor, x_eval: torch.Tens
     return install_choice(ctx, path, lin, c, score="magnitude", side=svd, search_error=c.error)
 
 
-def _step(role: str, names: callable):
+def _step(role: str, names: Callable):
     def apply(ctx: LayerContext, stats: dict[str, InputStats]) -> dict:
         x_fit, x_eval = fit_eval_rows(ctx, stats[role])
         return summary({name: _adapt(ctx, path, x_fit, x_eval) for name, path in names(ctx.spec).items()})
