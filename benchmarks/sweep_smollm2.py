@@ -47,8 +47,8 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--figure-flops", type=float, default=None, help="budget for the per-layer figures (default: smallest)")
     ap.add_argument("--allocation", default="uniform", choices=["uniform", "global"],
                     help="FLOP allocation across layers (global: by measured sensitivity; use another --out)")
-    ap.add_argument("--lm-head", default="dense", choices=["dense", "sparse"],
-                    help="sparse: the LM head adapted like every projection (use another --out)")
+    ap.add_argument("--lm-head", default="auto", choices=["auto", "dense", "sparse"],
+                    help="auto: each method's own (rana: sparse); dense/sparse for every method (use another --out)")
     ap.add_argument("--out", type=Path, default=OUT)
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")

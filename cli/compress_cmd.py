@@ -83,9 +83,10 @@ def register(app: typer.Typer) -> None:
         out: Path = typer.Option(..., "--out", "-o", help="output folder (must not exist unless --overwrite)"),
         method: str = typer.Option(CompressConfig.method, help=f"{' | '.join(names(ablations=False))} (ablations: {', '.join(names(ablations=True))})"),
         allocation: str = typer.Option(CompressConfig.allocation, help="FLOP allocation across layers: uniform (paper) | global (by measured sensitivity)"),
-        lm_head: str = typer.Option(CompressConfig.lm_head, "--lm-head", help="dense: the LM head stays dense and the layers absorb the "
-                                    "whole cut | sparse: input sparsity |x_j| ≥ t on the head's input, the same fraction of its MACs "
-                                    "as every adapted projection (tied embeddings stay tied)"),
+        lm_head: str = typer.Option(CompressConfig.lm_head, "--lm-head", help="auto: the method's choice (rana: sparse; the "
+                                    "peers as published: dense) | dense: the LM head stays dense and the layers absorb the whole cut "
+                                    "| sparse: input sparsity |x_j| ≥ t on the head's input, the same fraction of its MACs as every "
+                                    "adapted projection (tied embeddings stay tied)"),
         recipe: Optional[Path] = typer.Option(None, "--recipe", help="re-run a recipe.json (or the folder holding one) written with "
                                               "every compressed model; options given here override its values"),
         dataset: Optional[str] = typer.Option(None, help="calibration text: hub dataset name or local .txt/.jsonl/.parquet file or folder (default: bundled corpus)"),
@@ -120,6 +121,7 @@ def register(app: typer.Typer) -> None:
                        max_memory=max_memory, offload_dir=str(offload_dir) if offload_dir else None)
         config = CompressConfig(**_with_recipe(ctx, options, recipe))
         config.validate()
+        config = config.resolved()  # the folder and its recipe record what ran, not "auto"
         offload_dir = Path(config.offload_dir) if config.offload_dir else None
         inputs = model_inputs(config.model) + local_inputs(config.dataset)
         check_output(out, inputs, overwrite=overwrite)

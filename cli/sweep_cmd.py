@@ -68,7 +68,7 @@ def register(app: typer.Typer) -> None:
         device: str = typer.Option(SweepConfig.device, help="compute device (cpu, cuda, …)"),
         grid_step: float = typer.Option(SweepConfig.grid_step, help="MLP budget-split grid step"),
         allocation: str = typer.Option(SweepConfig.allocation, help="FLOP allocation across layers: uniform (paper) | global (by measured sensitivity)"),
-        lm_head: str = typer.Option(SweepConfig.lm_head, "--lm-head", help="dense | sparse: the LM head adapted like every projection (as `rana compress --lm-head`)"),
+        lm_head: str = typer.Option(SweepConfig.lm_head, "--lm-head", help="auto (each method's own) | dense | sparse: the LM head adapted like every projection (as `rana compress --lm-head`)"),
         seed: int = typer.Option(SweepConfig.seed),
         save_models: bool = typer.Option(SweepConfig.save_models, "--save-models", help="also save each compressed model under OUT/models/"),
     ) -> None:

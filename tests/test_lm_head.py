@@ -62,16 +62,30 @@ def test_budget_report_is_the_compressor_accounting(lm_head):
     assert info["harsh"] == (f < HARSH_FRACTION)
 
 
-def test_layers_fraction_matches_measured_layers():
-    """What the report says the layers keep is what their masks then take on held-out tokens."""
+@pytest.mark.parametrize("lm_head", ["dense", "auto"])
+def test_layers_fraction_matches_measured_layers(lm_head):
+    """What the report says the layers keep is what their masks then take on held-out tokens
+    (`auto`: the default method adapts the head, so the layers keep more)."""
     model = tiny_model("llama", vocab_size=1024)
     got = []
-    compress_model(model, None, tiny_compress_config(flops=0.7), tiny_calibration(vocab=1024), on_budget=got.append)
+    compress_model(model, None, tiny_compress_config(flops=0.7, lm_head=lm_head), tiny_calibration(vocab=1024),
+                   on_budget=got.append)
     parts = _measure(model, _held_out(1024))["by_part"]
     layers = (parts["attention"]["measured_macs"] + parts["mlp"]["measured_macs"]) / \
         (parts["attention"]["dense_macs"] + parts["mlp"]["dense_macs"])
     assert layers == pytest.approx(got[0]["layers_fraction"], abs=0.01)
-    assert parts["other"]["fraction_of_part"] == 1.0  # the dense head
+    assert got[0]["lm_head"] == ("sparse" if lm_head == "auto" else "dense")
+    head_kept = parts["other"]["fraction_of_part"]  # "other" is the head alone on this model
+    assert head_kept == 1.0 if lm_head == "dense" else head_kept == pytest.approx(got[0]["lm_head_fraction"], abs=0.05)
+
+
+@pytest.mark.parametrize("method, resolved", [("rana", "sparse"), ("rana-contrib", "sparse"), ("teal", "dense"),
+                                              ("wina", "dense"), ("rana-paper", "dense"), ("rana-dense-head", "dense")])
+def test_auto_is_the_method_choice_and_an_explicit_mode_wins(method, resolved):
+    config = tiny_compress_config(method=method)
+    assert config.lm_head == "auto" and config.resolved().lm_head == resolved
+    for explicit in ("dense", "sparse"):
+        assert tiny_compress_config(method=method, lm_head=explicit).resolved().lm_head == explicit
 
 
 def test_harsh_warning_fires_when_the_head_dominates():
@@ -215,20 +229,26 @@ def test_decode_path_matches_the_masked_product(dtype):
 
 def test_cli_says_the_budget_and_warns(model_dir, calib_file, tmp_path):
     runner = CliRunner()
-    res = runner.invoke(app, ["compress", str(model_dir), "--flops", "0.55", "--out", str(tmp_path / "harsh"),
-                              "--dataset", str(calib_file), *SMALL])
+    res = runner.invoke(app, ["compress", str(model_dir), "--flops", "0.55", "--lm-head", "dense",
+                              "--out", str(tmp_path / "harsh"), "--dataset", str(calib_file), *SMALL])
     assert res.exit_code == 0, res.output
     text = " ".join(res.output.split())
     assert "the adapted projections keep" in text and "stays dense" in text
     assert text.count("warning:") == 1 and "--lm-head sparse" in text
     plan = json.loads((tmp_path / "harsh" / "plan.json").read_text())
     assert plan["budget"]["harsh"] and plan["budget"]["projections_fraction"] == plan["adapted_fraction"]
-    res = runner.invoke(app, ["compress", str(model_dir), "--flops", "0.55", "--lm-head", "sparse",
+    # the default method under the default `--lm-head auto` adapts the head; the folder records "sparse"
+    res = runner.invoke(app, ["compress", str(model_dir), "--flops", "0.55",
                               "--out", str(tmp_path / "shared"), "--dataset", str(calib_file), *SMALL])
     assert res.exit_code == 0, res.output
     assert "warning:" not in res.output and "keeps" in res.output and "LM head: input sparsity" in res.output
     plan = json.loads((tmp_path / "shared" / "plan.json").read_text())
     assert plan["lm_head"]["kind"] == "input_sparse" and abs(plan["measured_flops"] - 0.55) < 0.02
+    assert plan["config"]["lm_head"] == "sparse"
+    recipe = json.loads((tmp_path / "shared" / "recipe.json").read_text())
+    assert recipe["config"]["lm_head"] == "sparse" and "--lm-head sparse" in recipe["equivalent_command"]
+    stored = json.loads((tmp_path / "shared" / "rana_config.json").read_text())
+    assert stored["compress_config"]["lm_head"] == "sparse"
 
 
 def test_cli_rejects_an_unknown_head_mode(model_dir, tmp_path):

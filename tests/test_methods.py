@@ -13,8 +13,8 @@ from rana.modules import InputSparseLinear
 from rana.compress.memory import estimate_memory
 from helpers import tiny_calibration, tiny_compress_config, tiny_model
 
-BUILT_IN = ("rana", "rana-paper", "wina", "cats", "svd", "teal", "rsparse", "larosa", "rana-contrib", "rana-mixed",
-            "rana-side", "larosa-heads", "rana-heads")
+BUILT_IN = ("rana", "rana-paper", "wina", "cats", "svd", "teal", "rsparse", "larosa", "rana-dense-head", "rana-contrib",
+            "rana-mixed", "rana-side", "larosa-heads", "rana-heads")
 MAIN = 8  # BUILT_IN[:MAIN] are the main methods, the rest ablations
 
 
@@ -36,7 +36,8 @@ def test_names_list_the_main_methods_then_the_ablations():
 
 def test_methods_declare_their_memory_needs():
     assert {n: get_method(n).memory for n in BUILT_IN} == {
-        **{n: MemoryNeed(grid_search=True) for n in ("rana", "rana-paper", "rana-contrib", "rana-mixed", "wina", "rana-side", "rana-heads")},
+        **{n: MemoryNeed(grid_search=True) for n in ("rana", "rana-paper", "rana-dense-head", "rana-contrib", "rana-mixed", "wina", "rana-side",
+                                                        "rana-heads")},
         "svd": MemoryNeed(stacked_gate_up=False, decomposes_down=True, wide_sample_rows=True),
         "teal": MemoryNeed(decomposes=False, wide_sample_rows=True),
         "larosa": MemoryNeed(decomposes=False, wide_sample_rows=True),

@@ -2,15 +2,15 @@
 plan.json's `config`, rana_config.json's `compress_config` and recipe.json all hold it)."""
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from ..checks import check_device
 from ..io.format import CompressSettings
 from ..units import parse_memory
 
 from ..methods import METHODS  # the registry names, current when read
-from ..methods.base import RENAMED
-from .head import LM_HEAD_CHOICES
+from ..methods.base import RENAMED, get_method
+from .head import LM_HEAD_CHOICES, resolve_lm_head
 
 
 # Thresholds are quantiles of activation statistics: fewer fitting tokens than this give noisy,
@@ -32,6 +32,11 @@ class CompressConfig(CompressSettings):
     """The settings of one compression (fields, defaults and JSON form: `rana.io.format.CompressSettings`,
     which folders and recipes record), checked by `validate` before any work."""
 
+    def resolved(self) -> CompressConfig:
+        """This config with "auto" settings replaced by the method's own choices (validate first):
+        what runs, and what plan.json, the folder and the recipe record."""
+        return replace(self, lm_head=resolve_lm_head(self.lm_head, get_method(self.method).lm_head))
+
     def validate(self) -> None:
         if not 0.0 < self.flops <= 1.0:
             raise ValueError(f"--flops must be in (0, 1], got {self.flops}: it is the fraction of the dense model's FLOPs to keep")
@@ -41,7 +46,7 @@ class CompressConfig(CompressSettings):
         if self.allocation not in ("uniform", "global"):
             raise ValueError(f"unknown allocation '{self.allocation}' (choose uniform or global)")
         if self.lm_head not in LM_HEAD_CHOICES:
-            raise ValueError(f"unknown --lm-head '{self.lm_head}' (choose {' or '.join(LM_HEAD_CHOICES)})")
+            raise ValueError(f"unknown --lm-head '{self.lm_head}' (choose {', '.join(LM_HEAD_CHOICES[:-1])} or {LM_HEAD_CHOICES[-1]})")
         if self.max_memory is not None:
             parse_memory(self.max_memory)
         if self.seq_len < 8:

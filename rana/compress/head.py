@@ -30,7 +30,10 @@ from ..modules import InputSparseHead
 from .calibrate import LayerInputs, collect_inputs
 from .placement import as_module_input
 
-LM_HEAD_CHOICES = ("dense", "sparse")
+# "auto": what the method does with the head (`Method.lm_head`; the default `rana` adapts it, the
+# peers as published leave it dense), resolved before any work (`resolve_lm_head`) so plan.json and
+# recipes record the concrete choice.
+LM_HEAD_CHOICES = ("auto", "dense", "sparse")
 
 # Below this share of their dense MACs the adapted projections degrade steeply. Measured with the
 # default method on SmolLM2-135M (README sweep): at 0.80 of their MACs perplexity is ×1.00 of
@@ -39,6 +42,11 @@ HARSH_FRACTION = 0.5
 # A dense head worth adapting: above this share of the model's MACs, suggest `--lm-head sparse`
 # (SmolLM2-135M: 0.20; Qwen2.5-0.5B: 0.27; Llama-2-7B: 0.02).
 LARGE_HEAD_SHARE = 0.10
+
+
+def resolve_lm_head(choice: str, method_default: str) -> str:
+    """`--lm-head` as run: the method's own choice under "auto", else as given."""
+    return method_default if choice == "auto" else choice
 
 
 def budget_summary(dense: dict, layers_adapted: float, fraction: float, lm_head: str) -> dict:
@@ -97,7 +105,8 @@ def compress_lm_head(model: nn.Module, spec: ArchSpec, fit: LayerInputs, held: L
     the meter of the new head measures it on the held-aside tokens. Returns its plan entry."""
     head = model.get_submodule(spec.lm_head)
     if type(head) is not nn.Linear:
-        raise ValueError(f"--lm-head sparse: '{spec.lm_head}' is a {type(head).__name__}, not a plain linear layer")
+        raise ValueError(f"--lm-head sparse: '{spec.lm_head}' is a {type(head).__name__}, not a plain linear layer; "
+                         "pass --lm-head dense")
     tied = head.weight is getattr(model.get_input_embeddings(), "weight", None)
     stats = collect_inputs(_HeadInput(model.get_submodule(spec.final_norm), head), fit, held, {spec.lm_head: head},
                            device=device, stop_at=head, layer_index=layer_index)[spec.lm_head]
@@ -118,5 +127,5 @@ def compress_lm_head(model: nn.Module, spec: ArchSpec, fit: LayerInputs, held: L
                          measured_active=sparse.mean_active(), measured_macs=sparse.measured_macs())
 
 
-__all__ = ["LM_HEAD_CHOICES", "HARSH_FRACTION", "LARGE_HEAD_SHARE", "budget_summary", "describe_budget",
+__all__ = ["LM_HEAD_CHOICES", "resolve_lm_head", "HARSH_FRACTION", "LARGE_HEAD_SHARE", "budget_summary", "describe_budget",
            "harsh_budget_warning", "compress_lm_head"]

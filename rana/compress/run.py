@@ -93,6 +93,7 @@ def compress_model(model: nn.Module, tokenizer, config: CompressConfig, calibrat
     `lazy_weights`: the checkpoint a model from `load_lazy` streams its decoder layers from.
     `on_budget`: called with the budget (plan.json's `budget`) before any calibration work."""
     config.validate()
+    config = config.resolved()
     method = get_method(config.method)
     fraction, budget_info = budget_for(model.config, method, config.flops, config.seq_len, config.lm_head)
     if on_budget:
@@ -242,7 +243,7 @@ def compress(config: CompressConfig, progress: Callable[[str, int, int], None] |
              on_budget: Callable[[dict], None] | None = None) -> CompressResult:
     """Load the model and calibration data named by `config`, then compress (`on_budget`: see compress_model)."""
     config.validate()
-    config = setup_distributed(config)
+    config = setup_distributed(config.resolved())
     model, tokenizer, lazy_weights = load_for_compression(config)  # host RAM, or streamed from disk
     method = get_method(config.method)
     # an unsupported architecture or an unreachable target fails before any calibration text is read

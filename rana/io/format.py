@@ -58,7 +58,9 @@ class CompressSettings:
     allocation: str = "uniform"  # "uniform" (paper: same fraction everywhere) or "global" (measured sensitivity)
     max_memory: str | None = None  # cap on compute-device memory, e.g. "2GB" (rana.compress.memory)
     offload_dir: str | None = None  # stream layers from disk; compressed layers + activations kept here
-    lm_head: str = "dense"  # "dense", or "sparse": input sparsity on the LM head's input (rana.compress.head)
+    # "auto" (the method's choice), "dense", or "sparse": input sparsity on the LM head's input
+    # (rana.compress.head). Folders record the resolved value; older ones hold "dense".
+    lm_head: str = "auto"
 
     def to_dict(self) -> dict:
         return {"format_version": FORMAT_VERSION, **asdict(self)}

@@ -119,6 +119,8 @@ class Method:
     # a model-level transform before the layer loop (e.g. larosa's folded rotations):
     # prepare(model, spec, fit_sequences, batch_size=, streamed=) -> what it did, for the plan
     prepare: Callable[..., dict] | None = None
+    # what `--lm-head auto` does: "sparse" adapts the LM head like every projection (rana.compress.head)
+    lm_head: str = "dense"
 
     def unsupported_reason(self, spec: ArchSpec) -> str | None:
         return self.unsupported(spec) if self.unsupported is not None else None

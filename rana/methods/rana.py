@@ -170,30 +170,38 @@ def mlp(ctx: LayerContext, stats: dict[str, InputStats], candidates: Candidates)
 # ---------------------------------------------------------------------------- the family
 
 
-def rana_method(name: str, candidates: Candidates, description: str, style: dict, *, ablation: bool = False) -> Method:
+def rana_method(name: str, candidates: Candidates, description: str, style: dict, *, ablation: bool = False,
+                lm_head: str = "sparse") -> Method:
     """A RaNA-family method: attention, (with input sparsity) o_proj, then the MLP, all searched
-    among `candidates`."""
+    among `candidates`; under `--lm-head auto` the LM head is adapted too (`lm_head`)."""
     moments = (lambda role: (role,)) if candidates.rank else (lambda role: ())
     o_step = (Step(("o",), "o", (), partial(o_projection, candidates=candidates)),) if candidates.sparse else ()
     steps = (Step(("qkv_in",), "qkv_in", moments("qkv_in"), partial(attention, candidates=candidates)), *o_step,
              Step(("mlp_in",), "mlp_in", moments("mlp_in"), partial(mlp, candidates=candidates), "mlp"))
     parts = ("q", "k", "v") + (("o",) if candidates.sparse else ()) + ("up", "gate", "down")
     return Method(name, parts, steps, min_fraction=0.02, description=description,
-                  memory=MemoryNeed(grid_search=True), ablation=ablation, style=style)
+                  memory=MemoryNeed(grid_search=True), ablation=ablation, style=style, lm_head=lm_head)
 
 
-# Why the default is input sparsity scored by |x_j|, and not rank adapters or contribution
-# scores: the SmolLM2 sweep (README "Results", benchmarks/results/sweep_smollm2/).
+# Why the default is input sparsity scored by |x_j| with the LM head adapted too, and not rank
+# adapters, contribution scores, rotations or a low-rank path for the dropped inputs: the SmolLM2
+# sweep (README "Results", benchmarks/results/sweep_smollm2/). The ablations below each change one
+# of these choices; the paper's method and WINA keep a dense head, as published.
 register(rana_method(
     "rana", Candidates(rank=False, sparse=True, score="magnitude"),
     "rana (default): input sparsity |x_j| ≥ t (a B-masked rank adapter with B = I) on every projection "
-    "incl. o_proj and down; per-MLP grid search over the up/gate/down split; sequential calibration",
+    "incl. o_proj, down and the LM head; per-MLP grid search over the up/gate/down split; sequential calibration",
     dict(color="tab:red", marker="o")))
 register(rana_method(
     "rana-paper", Candidates(rank=True, sparse=False),
     "RaNA (paper): stacked-QKV and up/gate rank adapters with B-maskers, "
     "neuron-thresholded down, per-linear line search, per-MLP grid search",
-    dict(color="tab:orange", marker="s")))
+    dict(color="tab:orange", marker="s"), lm_head="dense"))
+register(rana_method(
+    "rana-dense-head", Candidates(rank=False, sparse=True, score="magnitude"),
+    "ablation: as rana with the LM head left dense, the decoder layers absorbing the whole cut "
+    "(the default before the head was adapted; = --method rana --lm-head dense)",
+    dict(color="salmon", marker="o", ls="--"), ablation=True, lm_head="dense"))
 register(rana_method(
     "rana-contrib", Candidates(rank=False, sparse=True),
     "ablation: as rana with inputs scored by their contribution |x_j|·‖W[:, j]‖ (neuron "
@@ -219,4 +227,4 @@ register(rana_method(
     "wina", Candidates(rank=False, sparse=True, split="equal"),
     "WINA: inputs scored by |x_j|·‖W[:, j]‖ on every projection incl. o_proj and down, each at the "
     "layer's fraction (no split search); sequential calibration",
-    dict(color="tab:olive", marker="X")))
+    dict(color="tab:olive", marker="X"), lm_head="dense"))

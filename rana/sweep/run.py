@@ -19,14 +19,14 @@ from pathlib import Path
 import torch
 
 from ..compress import BudgetError, CompressConfig, calibration_data, compress_model
-from ..compress.head import LM_HEAD_CHOICES
+from ..compress.head import LM_HEAD_CHOICES, resolve_lm_head
 from ..evaluation import Progress, evaluate_model, ppl_protocol, rank_adapters, rank_contributions, text_labels
 from ..evaluation.perplexity import PplProtocol, ppl_preset, protocol_tokens
 from ..io import save
 from ..io.format import write_json
 from ..io.models import load_model, model_inputs
 from ..io.paths import check_output, local_inputs
-from ..methods import METHODS
+from ..methods import METHODS, get_method
 from .report import DENSE, describe_point, layer_summary, point_name, write_outputs
 
 Log = Callable[[str], None]
@@ -56,7 +56,7 @@ class SweepConfig:
     device: str = CompressConfig.device
     grid_step: float = CompressConfig.grid_step
     allocation: str = CompressConfig.allocation  # uniform (paper) or global (per-layer, measured)
-    lm_head: str = CompressConfig.lm_head  # dense, or sparse: the LM head adapted like every projection
+    lm_head: str = CompressConfig.lm_head  # auto (each method's own), dense, or sparse: as `rana compress --lm-head`
     seed: int = CompressConfig.seed
     save_models: bool = False
 
@@ -83,7 +83,7 @@ class SweepConfig:
         if not self.ppl_data:
             raise ValueError("pass at least one --ppl-data text to evaluate on (never the calibration text)")
         if self.lm_head not in LM_HEAD_CHOICES:
-            raise ValueError(f"unknown --lm-head '{self.lm_head}' (choose {' or '.join(LM_HEAD_CHOICES)})")
+            raise ValueError(f"unknown --lm-head '{self.lm_head}' (choose {', '.join(LM_HEAD_CHOICES[:-1])} or {LM_HEAD_CHOICES[-1]})")
         if self.eval_batch_size < 1:
             raise ValueError(f"--eval-batch-size must be a positive integer, got {self.eval_batch_size}")
         window = self.eval_protocol().window
@@ -112,13 +112,14 @@ class SweepConfig:
             settings["ppl_protocol"] = self.ppl_protocol
         return settings
 
-    def compress_settings(self) -> dict:
+    def compress_settings(self, method: str) -> dict:
         """What a point's compression depends on, besides method and budget."""
         settings = {"dataset": self.dataset, "dataset_config": self.dataset_config, "split": self.split,
                     "text_column": self.text_column, "calib_tokens": self.calib_tokens, "grid_step": self.grid_step,
                     "allocation": self.allocation, "seed": self.seed}
-        if self.lm_head != "dense":  # points stored before --lm-head existed stay valid for a dense head
-            settings["lm_head"] = self.lm_head
+        lm_head = resolve_lm_head(self.lm_head, get_method(method).lm_head)
+        if lm_head != "dense":  # points stored before --lm-head existed stay valid for a dense head
+            settings["lm_head"] = lm_head
         return settings
 
     def figure_budget(self) -> float | None:
@@ -192,7 +193,7 @@ class Sweep:
             return None
         same = p.get("eval_settings") == json.loads(json.dumps(self.cfg.eval_settings()))
         if method != DENSE:
-            same = same and p.get("compress_settings") == json.loads(json.dumps(self.cfg.compress_settings()))
+            same = same and p.get("compress_settings") == json.loads(json.dumps(self.cfg.compress_settings(method)))
         if not same:
             self.log(f"{point_name(method, flops)}: stored point has other settings; redoing it")
             return None
@@ -262,7 +263,7 @@ class Sweep:
                 point = self._run_dense() if method == DENSE else self._run_point(method, flops)
                 point["eval_settings"] = self.cfg.eval_settings()
                 if method != DENSE:
-                    point["compress_settings"] = self.cfg.compress_settings()
+                    point["compress_settings"] = self.cfg.compress_settings(method)
                 write_json(self._path(method, flops), point)
                 self.log(describe_point(point, self.texts))
             points.append(point)
