@@ -119,6 +119,9 @@ class Method:
     # a model-level transform before the layer loop (e.g. larosa's folded rotations):
     # prepare(model, spec, fit_sequences, batch_size=, streamed=) -> what it did, for the plan
     prepare: Callable[..., dict] | None = None
+    # per-token MACs the method adds that the dense model does not spend (wina-ortho's explicit
+    # rotations), from the model config: the budget takes them from the adapted parts
+    runtime_macs: Callable[..., float] | None = None
 
     def unsupported_reason(self, spec: ArchSpec) -> str | None:
         return self.unsupported(spec) if self.unsupported is not None else None
