@@ -1,6 +1,6 @@
 """Methods × FLOP budgets on SmolLM2-135M: the paper's Fig. 1 (perplexity vs measured FLOPs).
 
-    python benchmarks/sweep_smollm2.py [--methods dense,rana,rana-paper,teal,cats,svd,wina,rsparse]
+    python benchmarks/sweep_smollm2.py [--methods dense,rana,rana-paper,teal,cats,svd,wina,wina-ortho,rsparse,larosa]
         [--flops 0.85,0.70,0.58,0.50] [--calib-tokens 32768] [--eval-tokens 32768] [--out DIR]
 
 Compresses smollm2-135m with every method at every budget, calibrating on pydoc_calib.txt (the
@@ -39,7 +39,7 @@ OUT = ROOT / "benchmarks" / "results" / "sweep_smollm2"
 def main(argv: list[str] | None = None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default="smollm2-135m")
-    ap.add_argument("--methods", default="dense,rana,rana-paper,teal,cats,svd,wina,rsparse")
+    ap.add_argument("--methods", default="dense,rana,rana-paper,teal,cats,svd,wina,wina-ortho,rsparse,larosa")
     ap.add_argument("--flops", default="0.85,0.70,0.58,0.50")
     ap.add_argument("--calib-tokens", type=int, default=32768)
     ap.add_argument("--eval-tokens", type=int, default=32768, help="tokens scored per evaluation text (first N)")

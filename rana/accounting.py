@@ -84,7 +84,8 @@ def measured_macs(model: nn.Module, seq_len: int = 512) -> dict:
         if not m._tokens:
             continue
         saved = m.macs_dense - m.measured_macs()
-        measured[spec.block_of(name) or "other"] -= saved
+        # a meter outside both blocks may say whose cost it is (wina-ortho's rotation of a block's input)
+        measured[getattr(m, "block", None) or spec.block_of(name) or "other"] -= saved
         modules[name] = {"dense_macs": m.macs_dense, "measured_macs": m.measured_macs(), "mean_active": m.mean_active()}
     total = sum(measured.values())
     return {

@@ -13,7 +13,7 @@ from helpers import tiny_calibration, tiny_compress_config, tiny_model
 
 
 CASES = ([("llama", m) for m in ("rana", "rana-paper", "svd", "teal", "cats", "rana-contrib", "rana-mixed", "wina", "rsparse", "rana-side")]
-         + [("mistral", "rana"), ("qwen2", "rana"), ("qwen2", "rsparse")])
+         + [("mistral", "rana"), ("qwen2", "rana"), ("qwen2", "rsparse"), ("phi3", "wina-ortho")])
 
 
 @pytest.mark.parametrize("arch,method", CASES)

@@ -73,8 +73,11 @@ def test_half_precision_compression_reloads_in_its_dtype_close_to_float32(method
     # search flips one near-tie on this model, 0.24); running the float32 compression in bf16
     # alone already moves rana's logits by 0.28 of it. larosa (bf16: 0.42) also fits a PCA basis on the
     # rounded activations, whose directions of near-equal variance turn, and rounds its rotated weights.
+    # wina-ortho's SVD bases of the weights turn likewise: the float32 compression of the bf16-rounded
+    # weights alone moves its logits by 0.68 of what it changes (bf16 here: 0.69, fp16 0.30; against
+    # that rounded compression 0.29 / 0.11, tests/test_wina_ortho.py).
     ref = float32_logits[method]
-    assert _relative(logits, ref) < (0.5 if method == "larosa" else 0.4) * _relative(ref, dense)
+    assert _relative(logits, ref) < {"larosa": 0.5, "wina-ortho": 0.8}.get(method, 0.4) * _relative(ref, dense)
 
 
 def test_casting_a_compressed_model_keeps_thresholds_float32():

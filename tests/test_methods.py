@@ -13,9 +13,9 @@ from rana.modules import InputSparseLinear
 from rana.compress.memory import estimate_memory
 from helpers import tiny_calibration, tiny_compress_config, tiny_model
 
-BUILT_IN = ("rana", "rana-paper", "wina", "cats", "svd", "teal", "rsparse", "larosa", "rana-dense-head", "rana-contrib",
-            "rana-mixed", "rana-side", "larosa-heads", "rana-heads")
-MAIN = 8  # BUILT_IN[:MAIN] are the main methods, the rest ablations
+BUILT_IN = ("rana", "rana-paper", "wina", "cats", "svd", "teal", "rsparse", "larosa", "wina-ortho", "rana-dense-head",
+            "rana-contrib", "rana-mixed", "rana-side", "larosa-heads", "rana-heads")
+MAIN = 9  # BUILT_IN[:MAIN] are the main methods, the rest ablations
 
 
 def test_names_list_the_main_methods_then_the_ablations():
@@ -36,8 +36,8 @@ def test_names_list_the_main_methods_then_the_ablations():
 
 def test_methods_declare_their_memory_needs():
     assert {n: get_method(n).memory for n in BUILT_IN} == {
-        **{n: MemoryNeed(grid_search=True) for n in ("rana", "rana-paper", "rana-dense-head", "rana-contrib", "rana-mixed", "wina", "rana-side",
-                                                        "rana-heads")},
+        **{n: MemoryNeed(grid_search=True) for n in ("rana", "rana-paper", "rana-dense-head", "rana-contrib", "rana-mixed", "wina",
+                                                      "rana-side", "rana-heads", "wina-ortho")},
         "svd": MemoryNeed(stacked_gate_up=False, decomposes_down=True, wide_sample_rows=True),
         "teal": MemoryNeed(decomposes=False, wide_sample_rows=True),
         "larosa": MemoryNeed(decomposes=False, wide_sample_rows=True),
@@ -51,6 +51,7 @@ def test_rana_variants_are_their_candidates():
     """The search space decides the steps: o_proj (square) only with input sparsity, second
     moments only for rank adapters."""
     for name, adapts_o, moments in (("rana", True, False), ("rana-contrib", True, False), ("wina", True, False),
+                                    ("wina-ortho", True, False),
                                     ("rana-mixed", True, True), ("rana-paper", False, True)):
         method = get_method(name)
         assert ("o" in method.adapted_parts) == adapts_o

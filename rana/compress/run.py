@@ -49,15 +49,17 @@ def budget_for(model_config, method: Method, target: float, seq_len: int, lm_hea
     per_layer = dense_macs_per_layer(model_config, seq_len)
     in_layers = sum(d[p] for d in per_layer for p in method.adapted_parts)
     adapted = in_layers + (dense["lm_head"] if lm_head == "sparse" else 0.0)
-    f = adapted_fraction(target, dense["total"], adapted)
-    floor = (dense["total"] - adapted * (1 - method.min_fraction)) / dense["total"]
+    extra = float(method.runtime_macs(model_config)) if method.runtime_macs is not None else 0.0  # paid by the adapted parts
+    f = adapted_fraction(target - extra / dense["total"], dense["total"], adapted)
+    floor = (dense["total"] + extra - adapted * (1 - method.min_fraction)) / dense["total"]
     if f < method.min_fraction or f <= 0:
+        added = f" plus the {extra / dense['total']:.3f} it adds" if extra else ""
         raise BudgetError(
             f"--flops {target} is below what method '{method.name}' can reach on this model: the parts it does not "
-            f"adapt already cost {(dense['total'] - adapted) / dense['total']:.3f} of the dense FLOPs; use --flops ≥ {math.ceil(floor * 1000) / 1000:.3f}")
+            f"adapt already cost {(dense['total'] - adapted) / dense['total']:.3f} of the dense FLOPs{added}; use --flops ≥ {math.ceil(floor * 1000) / 1000:.3f}")
     f = min(f, 1.0)
     return f, {"dense_macs": dense, "adapted_dense_macs": adapted, "unadapted_dense_macs": dense["total"] - adapted,
-               **budget_summary(dense, in_layers, f, lm_head)}
+               **({"method_runtime_macs": extra} if extra else {}), **budget_summary(dense, in_layers, f, lm_head)}
 
 
 def moment_sequences(fit: torch.Tensor, batch_size: int) -> torch.Tensor:

@@ -41,6 +41,7 @@ SHIPPED_MODULES: dict[str, str] = {
     "rana.modules.rank_linear": "rank_linear",
     "rana.modules.neuron_linear": "neuron_linear",
     "rana.modules.cats": "cats",
+    "rana.modules.rotation": "rotation",
     "rana.modules.groups": "groups",
     "rana.modules.laurel": "laurel",
 }

@@ -120,8 +120,9 @@ def _load_weights(path: Path) -> dict[str, torch.Tensor]:
 _ADAPTER_FIELDS = {  # required integer fields (>= 1) of each adapter type in rana_config.json
     "rank": ("in", "out", "rank"), "shared_code": ("in", "out", "rank", "consumers"), "rank_slice": ("out", "rank"),
     "neuron": ("in", "out"), "input_sparse": ("in", "out"), "input_sparse_head": ("in", "out"),
-    "cats": ("hidden", "intermediate"),
+    "cats": ("hidden", "intermediate"), "rotated_input": ("in",),
 }
+_UNTHRESHOLDED = ("rank_slice", "rotated_input")  # adapter types without a threshold of their own
 _DTYPE_NAMES = ("float32", "bfloat16", "float16")
 
 
@@ -155,7 +156,7 @@ def read_meta(path: Path) -> dict:
                 raise ValueError(f"adapter '{a['path']}': 'bias' must be true or false")
             if kind == "rank_slice" and a.get("code") not in codes:
                 raise ValueError(f"adapter '{a['path']}': its code {a.get('code')!r} is not a shared_code adapter")
-            if kind != "rank_slice":
+            if kind not in _UNTHRESHOLDED:
                 try:
                     threshold_from_json(a.get("threshold"))
                 except ValueError as e:
@@ -203,7 +204,7 @@ def check_thresholds(model: nn.Module, specs: list[dict], path: Path) -> None:
     """Every loaded threshold is a number and the one rana_config.json records (a NaN masks
     nothing or everything without a word; a changed one is not the model that was measured)."""
     for s in specs:
-        if s["type"] == "rank_slice":
+        if s["type"] in _UNTHRESHOLDED:
             continue
         buf = model.get_submodule(s["path"]).get_buffer("threshold")
         got, want = float(buf), threshold_from_json(s.get("threshold"))

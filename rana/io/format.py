@@ -19,7 +19,7 @@ import torch.nn as nn
 
 from ..archs import set_submodule
 from ..modules import (CatsActivation, InputSparseHead, InputSparseLinear, NeuronThresholdLinear, RankAdapterLinear,
-                       RankSliceLinear, SharedRankCode, SparseLowRankLinear)
+                       RankSliceLinear, RotatedInput, SharedRankCode, SparseLowRankLinear)
 
 FORMAT_VERSION = 1
 WEIGHTS = "model.safetensors"
@@ -139,6 +139,8 @@ def adapter_specs(model: nn.Module, *, outside: str | None = None) -> list[dict]
         elif isinstance(m, CatsActivation):
             specs.append({"path": name, "type": "cats", "hidden": m.hidden, "intermediate": m.intermediate,
                           "threshold": f(float(m.threshold))})
+        elif isinstance(m, RotatedInput):  # no threshold: a rotation of the wrapped norm's output
+            specs.append({"path": name, "type": "rotated_input", "in": m.features, "block": m.block})
         if getattr(m, "active_fraction", None) is not None and specs and specs[-1]["path"] == name:
             specs[-1]["active_fraction"] = m.active_fraction  # the decode kernels' sparsity bin (optional key)
     return specs
@@ -168,6 +170,8 @@ def install_empty_adapters(model: nn.Module, specs: list[dict], dtype: torch.dty
             m = InputSparseHead(z(s["out"], s["in"]), z(s["out"]) if s["bias"] else None, t)
         elif s["type"] == "cats":
             m = CatsActivation(model.get_submodule(s["path"]), t, s["hidden"], s["intermediate"])
+        elif s["type"] == "rotated_input":
+            m = RotatedInput(model.get_submodule(s["path"]), z(s["in"], s["in"]), s.get("block", "attention"))
         else:
             raise ValueError(f"unknown adapter type '{s['type']}' in {RANA_CONFIG}")
         if s.get("active_fraction") is not None and hasattr(m, "set_active_fraction"):  # absent in older folders

@@ -24,7 +24,7 @@ from .base import (
 )
 from .rana import Candidates, fused_gate_up_act, rana_method
 # registration side effects, in the order `names()` lists the methods (the CLI help shows it)
-from . import rana, cats, svd, teal, rsparse, larosa  # noqa: F401,E402  isort: skip
+from . import rana, cats, svd, teal, rsparse, larosa, wina_ortho  # noqa: F401,E402  isort: skip
 
 __all__ = [
     "METHODS",

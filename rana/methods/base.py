@@ -121,6 +121,9 @@ class Method:
     prepare: Callable[..., dict] | None = None
     # what `--lm-head auto` does: "sparse" adapts the LM head like every projection (rana.compress.head)
     lm_head: str = "dense"
+    # per-token MACs the method adds that the dense model does not spend (wina-ortho's explicit
+    # rotations), from the model config: the budget takes them from the adapted parts
+    runtime_macs: Callable[..., float] | None = None
 
     def unsupported_reason(self, spec: ArchSpec) -> str | None:
         return self.unsupported(spec) if self.unsupported is not None else None

@@ -4,6 +4,7 @@ from .common import MacMeter, column_major_linear
 from .groups import DecodeGroup, link_decode_groups, link_layer, relink
 from .neuron_linear import InputSparseHead, InputSparseLinear, NeuronThresholdLinear, SparseLowRankLinear
 from .rank_linear import RankAdapterLinear, RankSliceLinear, SharedRankCode
+from .rotation import RotatedInput
 
 __all__ = [
     "CatsActivation",
@@ -14,6 +15,7 @@ __all__ = [
     "NeuronThresholdLinear",
     "RankAdapterLinear",
     "RankSliceLinear",
+    "RotatedInput",
     "SharedRankCode",
     "SparseLowRankLinear",
     "column_major_linear",

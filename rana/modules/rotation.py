@@ -1,0 +1,41 @@
+"""An explicit rotation of a block's normalised input, paid at run time (wina-ortho)."""
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+
+from .common import MacMeter
+
+
+class RotatedInput(MacMeter, nn.Module):
+    """`norm(x) R`: a decoder block's input norm followed by a d × d rotation of its output.
+
+    The projections reading that output hold `W R` (so `(W R)(Rᵀ n) = W n` at full width and the
+    rotation is exact); each token pays d² MACs for `n R`, which the dense model does not spend:
+    `macs_dense` is 0 and `measured_macs()` d², so the accounting adds d² per token. `block` says
+    which block's cost the rotation is ("attention" or "mlp"; the norm's path lies outside both).
+    """
+
+    def __init__(self, norm: nn.Module, rotation: torch.Tensor, block: str):
+        super().__init__()
+        self.norm = norm
+        self.register_buffer("rotation", rotation.detach().clone().contiguous())
+        self.features = rotation.shape[0]
+        self.block = block
+        self.macs_dense = 0.0
+        self._init_meter()
+
+    def forward(self, x: torch.Tensor, *args, **kwargs) -> torch.Tensor:
+        y = self.norm(x, *args, **kwargs)
+        if self.meter_on:
+            self._tokens += y.numel() // self.features
+        return y @ self._buffers["rotation"]
+
+    def measured_macs(self) -> float:
+        return float(self.features * self.features)
+
+    def mean_active(self) -> float:
+        return float(self.features) if self._tokens else float("nan")
+
+    def extra_repr(self) -> str:
+        return f"features={self.features}, block={self.block}"
