@@ -1,6 +1,10 @@
 """Tiny random HF models built in-process (no hub) and a calibration bundle for them."""
 from __future__ import annotations
 
+import json
+import subprocess
+import sys
+from pathlib import Path
 from types import SimpleNamespace
 
 import torch
@@ -32,6 +36,20 @@ def tiny_model(arch: str = "llama", seed: int = 0, **overrides):
     kw = {k: v for k, v in kw.items() if v is not None}  # None: drop the key (GPT-NeoX has no kv heads)
     cfg = cfg_cls(**kw)
     return model_cls(cfg).eval()
+
+
+def perturbed_tiny_model(arch: str, **kw):
+    """A tiny model whose norm scales and biases are far from their init, so a transform that folds
+    or rotates around them is checked where they matter."""
+    model = tiny_model(arch, **kw)
+    g = torch.Generator().manual_seed(7)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name and p.ndim == 1:
+                p.copy_(torch.rand(p.shape, generator=g) * 1.5 + 0.25)
+            elif name.endswith("bias"):
+                p.copy_(torch.randn(p.shape, generator=g) * 0.3)
+    return model
 
 
 def tiny_calibration(n_fit: int = 48, n_heldout: int = 8, seq_len: int = 32, vocab: int = 128, seed: int = 1):
@@ -67,3 +85,20 @@ def tiny_model_dir(path, arch: str = "llama"):
     model.save_pretrained(path)
     byte_tokenizer().save_pretrained(path)
     return path
+
+
+def exported_logits(folder, ids: torch.Tensor, work, model_check: str = "") -> torch.Tensor:
+    """Logits of an exported folder loaded by plain transformers (`trust_remote_code`, offline, a
+    bare environment) in a fresh process; `model_check`: a Python statement on the loaded model
+    `m`, run before the forward (e.g. an assert on its modules)."""
+    script = ("import sys, json, torch; from transformers import AutoModelForCausalLM; "
+              "m = AutoModelForCausalLM.from_pretrained(sys.argv[1], trust_remote_code=True).eval(); "
+              "ids = torch.tensor(json.loads(sys.argv[2]));\n"
+              + (model_check + "\n" if model_check else "")
+              + "with torch.no_grad(): print(json.dumps(m(ids).logits.tolist()))")
+    proc = subprocess.run([sys.executable, "-c", script, str(folder), json.dumps(ids.tolist())],
+                          capture_output=True, text=True, cwd=work, timeout=300,
+                          env={"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "PATH": "/usr/bin:/bin",
+                               "HF_MODULES_CACHE": str(Path(work) / "mods")})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return torch.tensor(json.loads(proc.stdout.strip().splitlines()[-1]))

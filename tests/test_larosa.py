@@ -2,16 +2,13 @@
 at the budget, save/load/export with the untied head, refusals where invariance fails."""
 from __future__ import annotations
 
-import json
 import math
-import subprocess
-import sys
 
 import pytest
 import torch
 
 import rana.io as rio
-from helpers import tiny_calibration, tiny_compress_config, tiny_model
+from helpers import exported_logits, perturbed_tiny_model, tiny_calibration, tiny_compress_config, tiny_model
 from rana.archs import UnsupportedArchitectureError, decoder_layers, get_arch
 from rana.compress import compress_model
 from rana.methods import get_method
@@ -21,19 +18,6 @@ from rana.modules import InputSparseLinear
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 IDS = torch.randint(0, 128, (2, 24), generator=torch.Generator().manual_seed(3))
-
-
-def _perturbed(arch: str, **kw):
-    """A tiny model whose norm scales and biases are far from their init, so folding them matters."""
-    model = tiny_model(arch, **kw)
-    g = torch.Generator().manual_seed(7)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if "norm" in name and p.ndim == 1:
-                p.copy_(torch.rand(p.shape, generator=g) * 1.5 + 0.25)
-            elif name.endswith("bias"):
-                p.copy_(torch.randn(p.shape, generator=g) * 0.3)
-    return model
 
 
 def _logits(model, dtype=torch.float32):
@@ -50,7 +34,7 @@ CASES = [("llama", dict(tie_word_embeddings=True)),  # GQA: 4 query heads on 2 K
 
 @pytest.mark.parametrize("arch,kw", CASES, ids=[c[0] for c in CASES])
 def test_rotation_leaves_the_dense_function_unchanged(arch, kw):
-    model = _perturbed(arch, **kw)
+    model = perturbed_tiny_model(arch, **kw)
     dense = _logits(model)
     result = compress_model(model, None, tiny_compress_config(method="larosa", flops=1.0), tiny_calibration())
     transform = result.plan["model_transform"]
@@ -67,7 +51,7 @@ def test_rotation_leaves_the_dense_function_unchanged(arch, kw):
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])
 def test_thresholds_that_keep_everything_reproduce_the_dense_logits(arch):
-    model = _perturbed(arch)
+    model = perturbed_tiny_model(arch)
     dense = _logits(model)
     result = compress_model(model, None, tiny_compress_config(method="larosa", flops=0.7), tiny_calibration())
     sparse = [m for m in result.model.modules() if isinstance(m, InputSparseLinear)]
@@ -80,7 +64,7 @@ def test_thresholds_that_keep_everything_reproduce_the_dense_logits(arch):
 
 
 def test_bfloat16_rotation_is_close():
-    model = _perturbed("llama", tie_word_embeddings=True)
+    model = perturbed_tiny_model("llama", tie_word_embeddings=True)
     dense = _logits(model)
     model = model.to(torch.bfloat16)
     result = compress_model(model, None, tiny_compress_config(method="larosa", flops=1.0, dtype="bfloat16"),
@@ -92,7 +76,7 @@ def test_bfloat16_rotation_is_close():
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2", "phi3"])
 def test_budget_is_met_on_held_out_tokens(arch):
-    result = compress_model(_perturbed(arch), None, tiny_compress_config(method="larosa", flops=0.7),
+    result = compress_model(perturbed_tiny_model(arch), None, tiny_compress_config(method="larosa", flops=0.7),
                             tiny_calibration())
     assert result.plan["measured_flops"] == pytest.approx(0.7, abs=0.01)  # one point of the dense FLOPs, as for every method
 
@@ -100,7 +84,7 @@ def test_budget_is_met_on_held_out_tokens(arch):
 def test_rotated_inputs_are_decorrelated():
     """After the fold, the residual readers' inputs and each KV group's o inputs are (on the fit
     tokens the PCA saw) uncorrelated, with variances in decreasing order: the PCA bases were applied."""
-    model = _perturbed("llama")
+    model = perturbed_tiny_model("llama")
     spec = get_arch(model.config)
     fit = tiny_calibration().fit
     rotate_model(model, spec, rotation_statistics(model, spec, fit, batch_size=8))
@@ -124,7 +108,7 @@ def test_head_block_moments_pool_the_query_heads_of_a_kv_group():
 def test_save_load_and_export_reproduce_the_logits(tmp_path):
     from rana.export import export
 
-    model = _perturbed("llama", tie_word_embeddings=True)
+    model = perturbed_tiny_model("llama", tie_word_embeddings=True)
     result = compress_model(model, None, tiny_compress_config(method="larosa", flops=0.7), tiny_calibration())
     ref = _logits(result.model)
     assert result.plan["model_transform"]["lm_head_untied"]
@@ -138,16 +122,7 @@ def test_save_load_and_export_reproduce_the_logits(tmp_path):
     assert loaded.lm_head.weight.data_ptr() != loaded.get_input_embeddings().weight.data_ptr()
     assert torch.equal(_logits(loaded), ref)
     export(tmp_path / "r", tmp_path / "e")
-    script = ("import sys, json, torch; from transformers import AutoModelForCausalLM; "
-              "m = AutoModelForCausalLM.from_pretrained(sys.argv[1], trust_remote_code=True).eval(); "
-              "ids = torch.tensor(json.loads(sys.argv[2]));\n"
-              "with torch.no_grad(): print(json.dumps(m(ids).logits.tolist()))")
-    proc = subprocess.run([sys.executable, "-c", script, str(tmp_path / "e"), json.dumps(IDS.tolist())],
-                          capture_output=True, text=True, cwd=tmp_path, timeout=300,
-                          env={"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "PATH": "/usr/bin:/bin",
-                               "HF_MODULES_CACHE": str(tmp_path / "mods")})
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    exported = torch.tensor(json.loads(proc.stdout.strip().splitlines()[-1]))
+    exported = exported_logits(tmp_path / "e", IDS, tmp_path)
     assert torch.allclose(exported, ref, atol=1e-5 * ref.abs().max())
 
 
@@ -184,14 +159,14 @@ def test_a_norm_that_breaks_invariance_is_caught():
 def test_heads_only_ablation_is_exact_and_meets_its_budget(arch):
     """larosa-heads folds only the per-KV-head rotations (no invariance of the residual needed, so
     post-norm Gemma 2 too): exact at F = 1 with nothing untied, and on budget at F = 0.7."""
-    model = _perturbed(arch)
+    model = perturbed_tiny_model(arch)
     dense = _logits(model)
     result = compress_model(model, None, tiny_compress_config(method="larosa-heads", flops=1.0), tiny_calibration())
     assert torch.allclose(_logits(result.model), dense, atol=2e-5 * dense.abs().max())
     assert result.plan["model_transform"]["extra_stored_parameters"] == 0
     v = decoder_layers(result.model, get_arch(model.config))[0].self_attn.v_proj.weight
-    assert not torch.allclose(v, decoder_layers(_perturbed(arch), get_arch(model.config))[0].self_attn.v_proj.weight)
-    result = compress_model(_perturbed(arch), None, tiny_compress_config(method="larosa-heads", flops=0.7),
+    assert not torch.allclose(v, decoder_layers(perturbed_tiny_model(arch), get_arch(model.config))[0].self_attn.v_proj.weight)
+    result = compress_model(perturbed_tiny_model(arch), None, tiny_compress_config(method="larosa-heads", flops=0.7),
                             tiny_calibration())
     assert result.plan["measured_flops"] == pytest.approx(0.7, abs=0.01)
     assert "interleaves" in get_method("larosa-heads").unsupported_reason(get_arch("gpt_neox"))

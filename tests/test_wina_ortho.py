@@ -5,38 +5,23 @@ from __future__ import annotations
 
 import json
 import math
-import subprocess
-import sys
 
 import pytest
 import torch
 
 import rana.io as rio
-from helpers import tiny_calibration, tiny_compress_config, tiny_model
+from helpers import exported_logits, perturbed_tiny_model, tiny_calibration, tiny_compress_config, tiny_model
 from rana.accounting import dense_macs, measured_macs, metering
 from rana.archs import UnsupportedArchitectureError, decoder_layers, get_arch
 from rana.compress import compress_model
 from rana.methods import get_method
 from rana.methods.wina_ortho import column_orthogonalising_rotation, head_rotations, rotate_model, rotation_macs
-from rana.modules import MacMeter, NeuronThresholdLinear, RotatedInput
+from rana.modules import NeuronThresholdLinear, RotatedInput
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 IDS = torch.randint(0, 128, (2, 24), generator=torch.Generator().manual_seed(3))
 D, LAYERS = 64, 2  # tests/helpers.py TINY
-
-
-def _perturbed(arch: str, **kw):
-    """A tiny model whose norm scales and biases are far from their init."""
-    model = tiny_model(arch, **kw)
-    g = torch.Generator().manual_seed(7)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if "norm" in name and p.ndim == 1:
-                p.copy_(torch.rand(p.shape, generator=g) * 1.5 + 0.25)
-            elif name.endswith("bias"):
-                p.copy_(torch.randn(p.shape, generator=g) * 0.3)
-    return model
 
 
 def _logits(model, dtype=torch.float32):
@@ -61,7 +46,7 @@ CASES = [("llama", dict(tie_word_embeddings=True)),  # GQA: 4 query heads on 2 K
 
 @pytest.mark.parametrize("arch,kw", CASES, ids=[c[0] for c in CASES])
 def test_rotation_leaves_the_dense_function_unchanged(arch, kw):
-    model = _perturbed(arch, **kw)
+    model = perturbed_tiny_model(arch, **kw)
     dense = _logits(model)
     done = rotate_model(model, get_arch(model.config))
     assert torch.allclose(_logits(model), dense, atol=2e-5 * dense.abs().max())
@@ -72,13 +57,13 @@ def test_rotation_leaves_the_dense_function_unchanged(arch, kw):
     # the readers really moved
     spec = get_arch(model.config)
     first = next(iter(spec.qkv_paths().values()))
-    before = decoder_layers(_perturbed(arch, **kw), spec)[0].get_submodule(first).weight
+    before = decoder_layers(perturbed_tiny_model(arch, **kw), spec)[0].get_submodule(first).weight
     assert not torch.allclose(decoder_layers(model, spec)[0].get_submodule(first).weight, before, atol=1e-3)
 
 
 @pytest.mark.parametrize("arch", ["llama", "phi3", "gpt_neox"])
 def test_k_and_gate_columns_are_orthogonal_after_the_rotation(arch):
-    model = _perturbed(arch)
+    model = perturbed_tiny_model(arch)
     spec = get_arch(model.config)
     rotate_model(model, spec)
     layer = decoder_layers(model, spec)[1]
@@ -99,14 +84,14 @@ def test_k_and_gate_columns_are_orthogonal_after_the_rotation(arch):
         assert (norms[:-1] >= norms[1:] - 1e-5).all()  # largest first
     if k.shape[0] < D:  # GQA: past k's rank the columns are zero (those inputs cost k nothing)
         assert float(k.detach().double().norm(dim=0)[k.shape[0]:].max()) < 1e-5
-    assert _off_diagonal(_perturbed(arch).get_submodule(spec.layers)[1].get_submodule(spec.role_path("mlp_in")).weight) > 1e-2
+    assert _off_diagonal(perturbed_tiny_model(arch).get_submodule(spec.layers)[1].get_submodule(spec.role_path("mlp_in")).weight) > 1e-2
 
 
 def test_o_columns_are_orthogonal_within_each_head():
     """Every query head its own KV head (Mistral config, 4 KV heads): o's column block of each head
     is orthogonal after the fold; under GQA the group's heads stacked are."""
     for kw, per_group in ((dict(num_key_value_heads=4), 1), ({}, 2)):
-        model = _perturbed("mistral", **kw)
+        model = perturbed_tiny_model("mistral", **kw)
         rotate_model(model, get_arch(model.config))
         Wo = model.model.layers[0].self_attn.o_proj.weight.detach()
         cols = Wo.reshape(D, 4 // per_group, per_group, 16)
@@ -122,7 +107,7 @@ def test_o_columns_are_orthogonal_within_each_head():
 
 @pytest.mark.parametrize("arch", ["llama", "phi3"])
 def test_thresholds_that_keep_everything_reproduce_the_dense_logits(arch):
-    model = _perturbed(arch)
+    model = perturbed_tiny_model(arch)
     dense = _logits(model)
     result = compress_model(model, None, tiny_compress_config(method="wina-ortho", flops=0.7), tiny_calibration())
     adapters = [m for m in result.model.modules() if isinstance(m, NeuronThresholdLinear)]
@@ -136,13 +121,13 @@ def test_thresholds_that_keep_everything_reproduce_the_dense_logits(arch):
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2", "phi3"])
 def test_budget_is_met_on_held_out_tokens_rotations_included(arch):
-    result = compress_model(_perturbed(arch), None, tiny_compress_config(method="wina-ortho", flops=0.7),
+    result = compress_model(perturbed_tiny_model(arch), None, tiny_compress_config(method="wina-ortho", flops=0.7),
                             tiny_calibration())
     plan = result.plan
     assert plan["measured_flops"] == pytest.approx(0.7, abs=0.01)
     assert plan["budget"]["method_runtime_macs"] == 2 * LAYERS * D * D
     # the adapted projections keep less than plain wina's would: the rotations are paid from their budget
-    wina = compress_model(_perturbed(arch), None, tiny_compress_config(method="wina", flops=0.7), tiny_calibration())
+    wina = compress_model(perturbed_tiny_model(arch), None, tiny_compress_config(method="wina", flops=0.7), tiny_calibration())
     adapted = plan["budget"]["adapted_dense_macs"]
     assert plan["adapted_fraction"] == pytest.approx(wina.plan["adapted_fraction"] - 2 * LAYERS * D * D / adapted)
 
@@ -150,7 +135,7 @@ def test_budget_is_met_on_held_out_tokens_rotations_included(arch):
 def test_the_meter_counts_the_rotations():
     """Measured MACs = what the adapted projections kept + d² per rotated block input + the parts
     nobody adapts (attention products, LM head), on tokens the thresholds never saw."""
-    result = compress_model(_perturbed("llama"), None, tiny_compress_config(method="wina-ortho", flops=0.7),
+    result = compress_model(perturbed_tiny_model("llama"), None, tiny_compress_config(method="wina-ortho", flops=0.7),
                             tiny_calibration())
     model = result.model
     with metering(model) as meters, torch.no_grad():
@@ -173,9 +158,9 @@ def test_the_meter_counts_the_rotations():
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_half_precision_rotation_and_compression(dtype):
-    model = _perturbed("llama", tie_word_embeddings=True)
+    model = perturbed_tiny_model("llama", tie_word_embeddings=True)
     dense = _logits(model)
-    rotated = _perturbed("llama", tie_word_embeddings=True).to(dtype)
+    rotated = perturbed_tiny_model("llama", tie_word_embeddings=True).to(dtype)
     rotate_model(rotated, get_arch(rotated.config))
     assert all(m.rotation.dtype == dtype for m in rotated.modules() if isinstance(m, RotatedInput))
     assert float((_logits(rotated) - dense).norm() / dense.norm()) < 0.05
@@ -184,11 +169,11 @@ def test_half_precision_rotation_and_compression(dtype):
     # (0.23-0.25, 0.06-0.09). Against the float32 compression of the unrounded weights it is 0.7
     # (bf16): the SVD bases of random weights' near-equal singular values turn with the rounding.
     name = str(dtype).removeprefix("torch.")
-    result = compress_model(_perturbed("llama").to(dtype), None,
+    result = compress_model(perturbed_tiny_model("llama").to(dtype), None,
                             tiny_compress_config(method="wina-ortho", flops=0.7, dtype=name), tiny_calibration())
     assert result.plan["measured_flops"] == pytest.approx(0.7, abs=0.015)
     assert next(result.model.parameters()).dtype == dtype
-    rounded = _perturbed("llama").to(dtype).float()
+    rounded = perturbed_tiny_model("llama").to(dtype).float()
     dense = _logits(rounded)
     ref = _logits(compress_model(rounded, None, tiny_compress_config(method="wina-ortho", flops=0.7),
                                  tiny_calibration()).model)
@@ -200,7 +185,7 @@ def test_half_precision_rotation_and_compression(dtype):
 def test_save_load_and_export_reproduce_the_logits(tmp_path):
     from rana.export import export
 
-    model = _perturbed("qwen2", tie_word_embeddings=True)
+    model = perturbed_tiny_model("qwen2", tie_word_embeddings=True)
     result = compress_model(model, None, tiny_compress_config(method="wina-ortho", flops=0.7), tiny_calibration())
     ref = _logits(result.model)
     rio.save(result.model, None, tmp_path / "r", plan=result.plan)
@@ -211,17 +196,8 @@ def test_save_load_and_export_reproduce_the_logits(tmp_path):
     assert sum(isinstance(m, RotatedInput) for m in loaded.modules()) == 2 * LAYERS
     assert torch.equal(_logits(loaded), ref)
     export(tmp_path / "r", tmp_path / "e")
-    script = ("import sys, json, torch; from transformers import AutoModelForCausalLM; "
-              "m = AutoModelForCausalLM.from_pretrained(sys.argv[1], trust_remote_code=True).eval(); "
-              "ids = torch.tensor(json.loads(sys.argv[2]));\n"
-              "assert sum(type(x).__name__ == 'RotatedInput' for x in m.modules()) == 4\n"
-              "with torch.no_grad(): print(json.dumps(m(ids).logits.tolist()))")
-    proc = subprocess.run([sys.executable, "-c", script, str(tmp_path / "e"), json.dumps(IDS.tolist())],
-                          capture_output=True, text=True, cwd=tmp_path, timeout=300,
-                          env={"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "PATH": "/usr/bin:/bin",
-                               "HF_MODULES_CACHE": str(tmp_path / "mods")})
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    exported = torch.tensor(json.loads(proc.stdout.strip().splitlines()[-1]))
+    exported = exported_logits(tmp_path / "e", IDS, tmp_path,
+                               "assert sum(type(x).__name__ == 'RotatedInput' for x in m.modules()) == 4")
     assert torch.allclose(exported, ref, atol=1e-5 * ref.abs().max())
 
 

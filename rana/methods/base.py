@@ -211,6 +211,19 @@ def stacked_weight(mods: list[nn.Linear]) -> tuple[torch.Tensor, torch.Tensor | 
                          for b, m in zip(biases, mods)])
 
 
+@torch.no_grad()
+def function_preserving(model: nn.Module, probe: torch.Tensor, transform: Callable[[], dict]) -> tuple[dict, float, bool]:
+    """Run a model-level `transform()` that must leave the model's function unchanged (a folded or
+    explicit rotation): its result, the relative change of one probe sequence's logits, and whether
+    that change is within rounding (1e-3 in float32, 5e-2 in half precision)."""
+    dtype = next(model.parameters()).dtype
+    probe = probe[:1].to(next(model.parameters()).device)
+    before = model(probe, use_cache=False).logits.float()
+    result = transform()
+    change = float((model(probe, use_cache=False).logits.float() - before).norm() / before.norm().clamp_min(1e-30))
+    return result, change, change < (1e-3 if dtype == torch.float32 else 5e-2)
+
+
 def relative_error(ref: torch.Tensor, out: torch.Tensor) -> float:
     return float((out.float() - ref.float()).pow(2).sum() / ref.float().pow(2).sum().clamp_min(1e-30))
 

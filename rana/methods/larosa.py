@@ -40,7 +40,7 @@ import torch.nn as nn
 
 from ..archs import ArchSpec, decoder_layers
 from ..archs.base import UnsupportedArchitectureError
-from .base import MemoryNeed, Method, Step, register
+from .base import MemoryNeed, Method, Step, function_preserving, register
 from .rana import Candidates, rana_method
 from .teal import down, o_projection, qkv, up_gate
 
@@ -268,14 +268,10 @@ def prepare(model: nn.Module, spec: ArchSpec, sequences: torch.Tensor, *, batch_
             "method 'larosa' rotates the whole model before compressing it and cannot stream decoder layers from "
             "disk (--offload-dir, or a model larger than memory); use teal or rana there")
     t0 = time.perf_counter()
-    probe = sequences[:1].to(next(model.parameters()).device)
-    with torch.no_grad():
-        before = model(probe, use_cache=False).logits.float()
-    done = rotate_model(model, spec, rotation_statistics(model, spec, sequences, batch_size=batch_size),
-                        residual=residual)
-    with torch.no_grad():  # the fold must be exact; a norm it does not know (e.g. LayerNorm) would not be
-        change = float((model(probe, use_cache=False).logits.float() - before).norm() / before.norm().clamp_min(1e-30))
-    if not change < (1e-3 if before.dtype == next(model.parameters()).dtype else 5e-2):
+    # the fold must be exact; a norm it does not know (e.g. LayerNorm) would not be
+    done, change, exact = function_preserving(model, sequences, lambda: rotate_model(
+        model, spec, rotation_statistics(model, spec, sequences, batch_size=batch_size), residual=residual))
+    if not exact:
         raise UnsupportedArchitectureError(
             f"method 'larosa': folding the rotation changed this model's logits by {change:.3g} (relative); its "
             "normalisation or residual is not rotation-invariant; use teal or rana")

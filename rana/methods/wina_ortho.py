@@ -37,7 +37,7 @@ import torch.nn as nn
 from ..archs import ArchSpec, decoder_layers, set_submodule
 from ..archs.base import UnsupportedArchitectureError
 from ..modules import RotatedInput
-from .base import register
+from .base import function_preserving, register
 from .larosa import _rotate_heads, _set, _value_rows
 from .rana import Candidates, rana_method
 
@@ -150,11 +150,8 @@ def prepare(model: nn.Module, spec: ArchSpec, sequences: torch.Tensor, *, batch_
             "method 'wina-ortho' rotates the whole model before compressing it and cannot stream decoder layers "
             "from disk (--offload-dir, or a model larger than memory); use wina there")
     t0 = time.perf_counter()
-    probe = sequences[:1].to(next(model.parameters()).device)
-    before = model(probe, use_cache=False).logits.float()
-    done = rotate_model(model, spec)
-    change = float((model(probe, use_cache=False).logits.float() - before).norm() / before.norm().clamp_min(1e-30))
-    if not change < (1e-3 if next(model.parameters()).dtype == torch.float32 else 5e-2):
+    done, change, exact = function_preserving(model, sequences, lambda: rotate_model(model, spec))
+    if not exact:
         raise UnsupportedArchitectureError(
             f"method 'wina-ortho': rotating the block inputs changed this model's logits by {change:.3g} (relative): "
             "something other than the registered projections reads a block's normalised input; use wina")
