@@ -10,7 +10,7 @@ from ..units import parse_memory
 
 from ..methods import METHODS  # the registry names, current when read
 from ..methods.base import RENAMED, get_method
-from .head import LM_HEAD_CHOICES, resolve_lm_head
+from .head import check_lm_head, resolve_lm_head
 
 
 # Thresholds are quantiles of activation statistics: fewer fitting tokens than this give noisy,
@@ -45,8 +45,7 @@ class CompressConfig(CompressSettings):
             raise ValueError(f"unknown method '{self.method}' ({renamed}choose from {', '.join(METHODS)})")
         if self.allocation not in ("uniform", "global"):
             raise ValueError(f"unknown allocation '{self.allocation}' (choose uniform or global)")
-        if self.lm_head not in LM_HEAD_CHOICES:
-            raise ValueError(f"unknown --lm-head '{self.lm_head}' (choose {', '.join(LM_HEAD_CHOICES[:-1])} or {LM_HEAD_CHOICES[-1]})")
+        check_lm_head(self.lm_head)
         if self.max_memory is not None:
             parse_memory(self.max_memory)
         if self.seq_len < 8:

@@ -43,6 +43,11 @@ HARSH_FRACTION = 0.5
 LARGE_HEAD_SHARE = 0.10
 
 
+def check_lm_head(choice: str) -> None:
+    if choice not in LM_HEAD_CHOICES:
+        raise ValueError(f"unknown --lm-head '{choice}' (choose {', '.join(LM_HEAD_CHOICES[:-1])} or {LM_HEAD_CHOICES[-1]})")
+
+
 def resolve_lm_head(choice: str, method_default: str) -> str:
     """`--lm-head` as run: the method's own choice under "auto", else as given."""
     return method_default if choice == "auto" else choice
@@ -130,5 +135,5 @@ def compress_lm_head(model: nn.Module, spec: ArchSpec, fit: LayerInputs, held: L
                          measured_active=sparse.mean_active(), measured_macs=sparse.measured_macs())
 
 
-__all__ = ["LM_HEAD_CHOICES", "resolve_lm_head", "HARSH_FRACTION", "LARGE_HEAD_SHARE", "budget_summary", "describe_budget",
+__all__ = ["LM_HEAD_CHOICES", "check_lm_head", "resolve_lm_head", "HARSH_FRACTION", "LARGE_HEAD_SHARE", "budget_summary", "describe_budget",
            "harsh_budget_warning", "compress_lm_head"]

@@ -279,32 +279,28 @@ def prepare(model: nn.Module, spec: ArchSpec, sequences: torch.Tensor, *, batch_
 
 
 # thresholds as teal's, on the rotated inputs
-_STEPS = (Step(("qkv_in",), "qkv_in", (), qkv), Step(("o",), "o", (), o_projection),
-          Step(("mlp_in",), "mlp_in", (), up_gate, "mlp"), Step(("down",), "down", (), down, "mlp"))
-
-register(Method(
+LAROSA = register(Method(
     "larosa", ("q", "k", "v", "o", "up", "gate", "down"),
-    _STEPS,
+    (Step(("qkv_in",), "qkv_in", (), qkv), Step(("o",), "o", (), o_projection),
+     Step(("mlp_in",), "mlp_in", (), up_gate, "mlp"), Step(("down",), "down", (), down, "mlp")),
     min_fraction=0.0,
     description="LaRoSA: magnitude sparsity on PCA-rotated inputs (one residual rotation, per-KV-head rotations "
                 "of o's input, all folded into the weights: 0 extra MACs; down as teal; untied LM head stored)",
     memory=MemoryNeed(decomposes=False, wide_sample_rows=True), style=dict(color="black", marker="h"),
     unsupported=unsupported, prepare=prepare))
 
-register(Method(
-    "larosa-heads", ("q", "k", "v", "o", "up", "gate", "down"),
-    _STEPS,
-    min_fraction=0.0,
+register(replace(
+    LAROSA, name="larosa-heads",
     description="ablation: larosa's per-KV-head rotations of o's input only (folded into v and o, 0 MACs, nothing "
                 "extra stored); the residual stream is not rotated, every other input as teal",
-    memory=MemoryNeed(decomposes=False, wide_sample_rows=True), ablation=True, style=dict(color="darkkhaki", marker="H"),
-    unsupported=lambda spec: _heads_unsupported(spec), prepare=partial(prepare, residual=False)))
+    ablation=True, style=dict(color="darkkhaki", marker="H"), unsupported=_heads_unsupported,
+    prepare=partial(prepare, residual=False)))
 
 # rana with the one rotation that is free everywhere it applies: does the default gain from it?
 register(replace(
     rana_method("rana-heads", Candidates(rank=False, sparse=True, score="magnitude"),
                 "ablation: as rana, after larosa's per-KV-head rotations of o's input (folded into v and o, 0 MACs, "
                 "nothing extra stored)", dict(color="dimgray", marker="H", ls=":"), ablation=True),
-    unsupported=lambda spec: _heads_unsupported(spec), prepare=partial(prepare, residual=False)))
+    unsupported=_heads_unsupported, prepare=partial(prepare, residual=False)))
 
 __all__ = ["principal_basis", "head_block_moments", "rotation_statistics", "rotate_model", "prepare", "unsupported"]

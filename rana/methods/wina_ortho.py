@@ -34,6 +34,7 @@ from dataclasses import replace
 import torch
 import torch.nn as nn
 
+from ..accounting import layer_dims
 from ..archs import ArchSpec, decoder_layers, set_submodule
 from ..archs.base import UnsupportedArchitectureError
 from ..modules import RotatedInput
@@ -66,11 +67,10 @@ def head_rotations(o_weight: torch.Tensor, n_heads: int, n_kv: int) -> torch.Ten
 
 
 def _dims(config) -> tuple[int, int, int, int, int]:
-    text = config.get_text_config() if hasattr(config, "get_text_config") else config
-    n_heads = text.num_attention_heads
-    n_kv = getattr(text, "num_key_value_heads", None) or n_heads
-    head_dim = getattr(text, "head_dim", None) or text.hidden_size // n_heads
-    return text.hidden_size, text.num_hidden_layers, n_heads, n_kv, head_dim
+    """hidden, layers, query heads, KV heads, head_dim (from the accounting's reading of the config)."""
+    dims = layer_dims(config)
+    first = dims[0]
+    return first.hidden, len(dims), first.n_heads, first.kv_out // first.head_dim, first.head_dim
 
 
 def _key_weight(layer: nn.Module, spec: ArchSpec, n_heads: int, n_kv: int, hd: int) -> torch.Tensor:

@@ -19,7 +19,7 @@ from pathlib import Path
 import torch
 
 from ..compress import BudgetError, CompressConfig, calibration_data, compress_model
-from ..compress.head import LM_HEAD_CHOICES, resolve_lm_head
+from ..compress.head import check_lm_head, resolve_lm_head
 from ..evaluation import Progress, evaluate_model, ppl_protocol, rank_adapters, rank_contributions, text_labels
 from ..evaluation.perplexity import PplProtocol, ppl_preset, protocol_tokens
 from ..io import save
@@ -82,8 +82,7 @@ class SweepConfig:
                 raise ValueError(f"--flops must be in (0, 1], got {f}: it is the fraction of the dense model's FLOPs to keep")
         if not self.ppl_data:
             raise ValueError("pass at least one --ppl-data text to evaluate on (never the calibration text)")
-        if self.lm_head not in LM_HEAD_CHOICES:
-            raise ValueError(f"unknown --lm-head '{self.lm_head}' (choose {', '.join(LM_HEAD_CHOICES[:-1])} or {LM_HEAD_CHOICES[-1]})")
+        check_lm_head(self.lm_head)
         if self.eval_batch_size < 1:
             raise ValueError(f"--eval-batch-size must be a positive integer, got {self.eval_batch_size}")
         window = self.eval_protocol().window
