@@ -6,152 +6,176 @@
 ``w_t_g`` is (K_g, N_g) row-major (column k of the nn.Linear weight is the contiguous row k), so an
 inactive input skips one contiguous row; the mask is applied on the load, so an inactive row costs
 no memory traffic. Modes: "square" (v² ≥ t, RaNA's rank code), "abs_scaled" (|v|·scale ≥ t, neuron
-thresholding), "abs" (|v| ≥ t, TEAL), "none" (everything active). Scores, comparisons and
-accumulation are fp32; the output has v's dtype. Nothing here reads a tensor value on the host.
+thresholding), "abs" (|v| ≥ t, TEAL), "none" (everything active: the rank adapters' dense `B x`).
+Scores, comparisons and accumulation are fp32; the output has v's dtype. Nothing here reads a
+tensor value on the host.
 
-Design (why not the atomic split-K of TEAL): an fp32 atomic-add split-K needs a zeroed fp32 buffer
-(a fill launch) and a cast launch per projection, three launches where a decode step is already
-launch bound, and its atomics serialise on tall shapes. Here the grid is (output blocks of all G
-projections, SPLIT slices of the inputs):
+Why the kernel looks like this (a batch-1 GEMV only has to stream the kept rows at full bandwidth):
 
-* SPLIT == 1 (wide outputs fill the GPU by themselves, and always under the interpreter's small
-  shapes when chosen): each program owns BLOCK_N outputs, walks all K inputs and writes the final
-  value in the output dtype, bias included — one launch, no workspace.
-* SPLIT > 1 (tall or square shapes, where the output blocks alone would leave SMs idle): every
-  program writes its fp32 partial sums to a workspace slot that exactly one program owns, so the
-  workspace needs no zero-fill (``torch.empty``); a second, tiny launch sums the SPLIT partials,
-  casts and writes the output. Two launches for up to three projections, deterministic (no
-  atomics), and the extra traffic is SPLIT·N·8 bytes against K·N·2·f bytes of weights.
+* **Per-thread accumulation.** Each program keeps a [BLOCK_K, BLOCK_N] fp32 accumulator in
+  registers and reduces it across K once, after the loop. A reduction inside the loop costs a
+  cross-warp barrier round trip per step, which makes the loop latency-bound whatever the sparsity.
+* **Loads pipelined in registers.** While step i's weights are multiplied, step i+1's kept rows
+  (their mask already computed) and step i+2's inputs are loading. Triton's own ``tl.range``
+  pipelining would stage the tiles through shared memory with ``cp.async``, which costs two
+  barriers per step; register double-buffering needs none, and a predicated-off load reads
+  nothing, so the bytes in flight are the kept rows only.
+* **A grid that fills the GPU.** Output blocks of all G projections × SPLIT slices of the inputs,
+  sized for several programs per SM (:func:`heuristic_config`). Wide outputs (gate/up, the LM head)
+  fill the GPU by themselves: SPLIT = 1, one launch, final values and bias written directly. Tall or
+  square shapes split K; each program then writes fp32 partial sums to a workspace slot that only it
+  owns (no zero-fill, no atomics, deterministic) and a tiny second launch sums the slots.
 
-Configs: BLOCK_N / BLOCK_K / SPLIT / num_warps are chosen per (G, shapes, dtype, sparsity bin,
-device) by timing candidates on the first eager CUDA call outside a CUDA-graph capture and outside
-torch.compile tracing; the decision is cached in a dict and reused by traced and captured calls
-(which never tune: they take the cached decision, else a shape heuristic). Under
-TRITON_INTERPRET=1 one fixed config is used. Weights are loaded with ``evict_first`` (streamed
-once per token), inputs with ``evict_last``.
+Configs (BLOCK_N, BLOCK_K, SPLIT, num_warps) come from the tuning table shipped next to
+this file (``gemv_configs.json``, keyed by GPU name, dtype, sparsity bin and bucketed shapes, filled
+by ``python -m rana.kernels.gemv_tune`` on that GPU), else from a shape heuristic. The choice is a
+pure function of shapes, so eager, traced and captured calls take the same config and nothing is
+timed behind the user's back. Under TRITON_INTERPRET=1 small blocks are used.
 
-Self-contained (torch + stdlib, triton imported lazily and optionally) so it can be copied next to
-an exported model and imported on machines without triton.
+The kernels are module-level functions: inductor regenerates user Triton kernels from source and
+keeps only the helpers it finds among the kernel's global names, so no kernel may reach a helper
+through a closure. Self-contained (torch + stdlib, triton optional) so it can be copied next to an
+exported model and imported on machines without triton.
 """
 from __future__ import annotations
 
 import functools
+import json
+import math
 import os
+from pathlib import Path
 
 import torch
 
 # one table of mask modes for every kernel: the ids are the C kernel's and the Triton kernel's ABI
 from .cpu_gemv import MODE_IDS
 
-__all__ = ["triton_available", "interpreting", "grouped_masked_gemv_triton", "choose_config", "tune",
-           "MODE_IDS", "GemvConfig"]
+__all__ = ["triton_available", "interpreting", "grouped_masked_gemv_triton", "choose_config", "heuristic_config",
+           "MODE_IDS", "GemvConfig", "TABLE_FILE", "table_key", "sparsity_bin", "KERNEL_NAMES"]
 
 MAX_GROUPS = 3
+TABLE_FILE = Path(__file__).with_name("gemv_configs.json")
+# An export inlines the table here: transformers copies only the .py files of remote code.
+SHIPPED_TABLE: dict | None = None  # rana:shipped-gemv-table
+KERNEL_NAMES = ("rana_masked_gemv", "rana_gemv_reduce")  # what profilers show
+
+try:  # optional: a model exported with these files must import on machines without triton
+    import triton
+    import triton.language as tl
+except Exception:  # not installed, or a broken install
+    triton = tl = None
 
 
 def interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET") == "1"
 
 
-@functools.lru_cache(maxsize=None)
-def _triton():
-    """(triton, tl) or None when triton is not importable. Resolved once, outside any traced forward
-    (ops.py calls it at import time)."""
-    try:
-        import triton
-        import triton.language as tl
-    except Exception:  # not installed, or a broken install: neither may break importing a model
-        return None
-    return triton, tl
-
-
 def triton_available() -> bool:
-    return _triton() is not None
-
-
-# --------------------------------------------------------------------------------------------
-# kernels (built once, at import of ops.py, so no builder cache is reached inside a forward)
-# --------------------------------------------------------------------------------------------
-_KERNELS: dict = {}  # interpreting? -> kernels (triton.jit reads TRITON_INTERPRET when it decorates)
+    return triton is not None
 
 
 def kernels():
-    """(partial kernel, reduce kernel); built on first use (import time of ops.py)."""
-    mode = interpreting()
-    if mode not in _KERNELS:
-        _KERNELS[mode] = _build()
-    built = _KERNELS[mode]
-    return built["partial"], built["reduce"]
+    """(masked GEMV kernel, reduce kernel)."""
+    if triton is None:
+        raise RuntimeError("triton is not installed")
+    return rana_masked_gemv, rana_gemv_reduce
 
 
-def _build() -> dict:
-    triton, tl = _triton()
+# --------------------------------------------------------------------------------------------
+# kernels (module level: see the docstring; TRITON_INTERPRET is read when the module is imported)
+# --------------------------------------------------------------------------------------------
+if triton is not None:
 
     @triton.jit
-    def _project(w_ptr, v_ptr, t_ptr, scale_ptr, bias_ptr, out_ptr, K, N, stride_w, block_n, pid_k,
-                 k_chunk, ws_stride, out_off,
-                 MODE: tl.constexpr, HAS_BIAS: tl.constexpr, SPLIT: tl.constexpr,
-                 BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    def _active(v, k_ok, t, scale_ptr, offs_k, MODE: tl.constexpr):
+        """The mask of one step's inputs (v in fp32)."""
+        if MODE == 1:
+            return k_ok & (v * v >= t)
+        elif MODE == 2:
+            s = tl.load(scale_ptr + offs_k, mask=k_ok, other=0.0).to(tl.float32)
+            return k_ok & (tl.abs(v) * s >= t)
+        elif MODE == 3:
+            return k_ok & (tl.abs(v) >= t)
+        else:
+            return k_ok
+
+    @triton.jit
+    def _kept_rows_dot(w_ptr, v_ptr, t_ptr, scale_ptr, offs_n, n_ok, k_lo, k_hi, stride_w,
+                       MODE: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+        """sum over k in [k_lo, k_hi) with m_k of v_k · w[k, offs_n], fp32, reduced across K once.
+
+        Software-pipelined in registers: while step i's weights are multiplied, step i+1's kept rows
+        (whose mask is already known) and step i+2's inputs are in flight, so neither the weight
+        stream nor the mask waits on a load, and no shared memory (hence no barrier) is involved."""
+        t = tl.load(t_ptr).to(tl.float32)
+        acc = tl.zeros([BLOCK_K, BLOCK_N], dtype=tl.float32)
+        cols = offs_n[None, :]
+        offs = k_lo + tl.arange(0, BLOCK_K)
+        ok = offs < k_hi
+        v_cur = tl.load(v_ptr + offs, mask=ok, other=0.0, eviction_policy="evict_last").to(tl.float32)
+        act_cur = _active(v_cur, ok, t, scale_ptr, offs, MODE)
+        w_cur = tl.load(w_ptr + offs[:, None].to(tl.int64) * stride_w + cols, mask=act_cur[:, None] & n_ok[None, :],
+                        other=0.0, eviction_policy="evict_first")
+        offs = offs + BLOCK_K
+        v_nxt = tl.load(v_ptr + offs, mask=offs < k_hi, other=0.0, eviction_policy="evict_last").to(tl.float32)
+        for k0 in range(k_lo, k_hi, BLOCK_K):
+            offs1 = k0 + BLOCK_K + tl.arange(0, BLOCK_K)
+            ok1 = offs1 < k_hi
+            act1 = _active(v_nxt, ok1, t, scale_ptr, offs1, MODE)
+            w_nxt = tl.load(w_ptr + offs1[:, None].to(tl.int64) * stride_w + cols,
+                            mask=act1[:, None] & n_ok[None, :], other=0.0, eviction_policy="evict_first")
+            offs2 = offs1 + BLOCK_K
+            v_after = tl.load(v_ptr + offs2, mask=offs2 < k_hi, other=0.0, eviction_policy="evict_last").to(tl.float32)
+            # a broadcast multiply into the 2-D accumulator: tl.dot has no use for one row (and is
+            # wrong on bf16 under the interpreter), and a per-step row sum would need barriers
+            acc += w_cur.to(tl.float32) * tl.where(act_cur, v_cur, 0.0)[:, None]
+            v_cur, act_cur, w_cur, v_nxt = v_nxt, act1, w_nxt, v_after
+        return tl.sum(acc, axis=0)
+
+    @triton.jit
+    def _project(w_ptr, v_ptr, t_ptr, scale_ptr, bias_ptr, out_ptr, ws_ptr, K, N, stride_w, block_n, pid_k,
+                 k_chunk, n_total, out_off, MODE: tl.constexpr, HAS_BIAS: tl.constexpr,
+                 WORKSPACE: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
         offs_n = block_n * BLOCK_N + tl.arange(0, BLOCK_N)
         n_ok = offs_n < N
-        t = tl.load(t_ptr).to(tl.float32)
-        acc = tl.zeros([BLOCK_N], dtype=tl.float32)
         k_lo = pid_k * k_chunk
         k_hi = tl.minimum(k_lo + k_chunk, K)
-        for k0 in range(k_lo, k_hi, BLOCK_K):
-            offs_k = k0 + tl.arange(0, BLOCK_K)
-            k_ok = offs_k < k_hi
-            v = tl.load(v_ptr + offs_k, mask=k_ok, other=0.0, eviction_policy="evict_last").to(tl.float32)
-            if MODE == 1:
-                active = k_ok & (v * v >= t)
-            elif MODE == 2:
-                s = tl.load(scale_ptr + offs_k, mask=k_ok, other=0.0).to(tl.float32)
-                active = k_ok & (tl.abs(v) * s >= t)
-            elif MODE == 3:
-                active = k_ok & (tl.abs(v) >= t)
-            else:
-                active = k_ok
-            w = tl.load(w_ptr + offs_k[:, None].to(tl.int64) * stride_w + offs_n[None, :],
-                        mask=active[:, None] & n_ok[None, :], other=0.0, eviction_policy="evict_first")
-            # a broadcast multiply and a row sum: tl.dot has no use for one row (and is wrong on bf16
-            # under the interpreter)
-            acc += tl.sum(w.to(tl.float32) * tl.where(active, v, 0.0)[:, None], axis=0)
+        acc = _kept_rows_dot(w_ptr, v_ptr, t_ptr, scale_ptr, offs_n, n_ok, k_lo, k_hi, stride_w,
+                             MODE, BLOCK_N, BLOCK_K)
         if HAS_BIAS:
             if pid_k == 0:
                 acc += tl.load(bias_ptr + offs_n, mask=n_ok, other=0.0).to(tl.float32)
-        if SPLIT == 1:
+        if WORKSPACE:  # this program's own slot: no zero-fill, no atomics
+            tl.store(ws_ptr + pid_k * n_total + out_off + offs_n, acc, mask=n_ok)
+        else:
             tl.store(out_ptr + out_off + offs_n, acc.to(out_ptr.dtype.element_ty), mask=n_ok)
-        else:  # this program's own workspace slot: no zero-fill, no atomics
-            tl.store(out_ptr + pid_k * ws_stride + out_off + offs_n, acc, mask=n_ok)
-
-    # jitted functions resolve the functions they call among their module's globals
-    globals()["_project"] = _project
 
     @triton.jit
-    def partial(w0, v0, t0, s0, b0, w1, v1, t1, s1, b1, w2, v2, t2, s2, b2, out_ptr,
-                K0, K1, K2, N0, N1, N2, SW0, SW1, SW2, NB0, NB1, k_chunk, ws_stride,
-                G: tl.constexpr, MODE: tl.constexpr, B0: tl.constexpr, B1: tl.constexpr, B2: tl.constexpr,
-                SPLIT: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    def rana_masked_gemv(w0, v0, t0, s0, b0, w1, v1, t1, s1, b1, w2, v2, t2, s2, b2, out_ptr, ws_ptr,
+                         K0, K1, K2, N0, N1, N2, SW0, SW1, SW2, NB0, NB1, KC0, KC1, KC2, n_total,
+                         G: tl.constexpr, MODE: tl.constexpr, B0: tl.constexpr, B1: tl.constexpr,
+                         B2: tl.constexpr, WORKSPACE: tl.constexpr, BLOCK_N: tl.constexpr,
+                         BLOCK_K: tl.constexpr):
         # grid axis 0: the output blocks of projection 0, then 1, then 2; axis 1: the input slices
         pid_n = tl.program_id(0)
         pid_k = tl.program_id(1)
         if pid_n < NB0:
-            _project(w0, v0, t0, s0, b0, out_ptr, K0, N0, SW0, pid_n, pid_k, k_chunk, ws_stride, 0,
-                     MODE, B0, SPLIT, BLOCK_N, BLOCK_K)
+            _project(w0, v0, t0, s0, b0, out_ptr, ws_ptr, K0, N0, SW0, pid_n, pid_k, KC0, n_total, 0,
+                     MODE, B0, WORKSPACE, BLOCK_N, BLOCK_K)
         else:
             if G == 2:
-                _project(w1, v1, t1, s1, b1, out_ptr, K1, N1, SW1, pid_n - NB0, pid_k, k_chunk, ws_stride, N0,
-                         MODE, B1, SPLIT, BLOCK_N, BLOCK_K)
+                _project(w1, v1, t1, s1, b1, out_ptr, ws_ptr, K1, N1, SW1, pid_n - NB0, pid_k, KC1, n_total,
+                         N0, MODE, B1, WORKSPACE, BLOCK_N, BLOCK_K)
             elif G == 3:
                 if pid_n < NB0 + NB1:
-                    _project(w1, v1, t1, s1, b1, out_ptr, K1, N1, SW1, pid_n - NB0, pid_k, k_chunk, ws_stride,
-                             N0, MODE, B1, SPLIT, BLOCK_N, BLOCK_K)
+                    _project(w1, v1, t1, s1, b1, out_ptr, ws_ptr, K1, N1, SW1, pid_n - NB0, pid_k, KC1,
+                             n_total, N0, MODE, B1, WORKSPACE, BLOCK_N, BLOCK_K)
                 else:
-                    _project(w2, v2, t2, s2, b2, out_ptr, K2, N2, SW2, pid_n - NB0 - NB1, pid_k, k_chunk,
-                             ws_stride, N0 + N1, MODE, B2, SPLIT, BLOCK_N, BLOCK_K)
+                    _project(w2, v2, t2, s2, b2, out_ptr, ws_ptr, K2, N2, SW2, pid_n - NB0 - NB1, pid_k, KC2,
+                             n_total, N0 + N1, MODE, B2, WORKSPACE, BLOCK_N, BLOCK_K)
 
     @triton.jit
-    def reduce(ws_ptr, y_ptr, N, SPLIT: tl.constexpr, BLOCK: tl.constexpr):
+    def rana_gemv_reduce(ws_ptr, y_ptr, N, SPLIT: tl.constexpr, BLOCK: tl.constexpr):
         offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
         ok = offs < N
         acc = tl.zeros([BLOCK], dtype=tl.float32)
@@ -159,19 +183,17 @@ def _build() -> dict:
             acc += tl.load(ws_ptr + s * N + offs, mask=ok, other=0.0)
         tl.store(y_ptr + offs, acc.to(y_ptr.dtype.element_ty), mask=ok)
 
-    return {"partial": partial, "reduce": reduce}
-
 
 # --------------------------------------------------------------------------------------------
-# configs: heuristic, tuned decisions, tuning
+# configs: the shipped table, else the heuristic
 # --------------------------------------------------------------------------------------------
 class GemvConfig(tuple):
     """(BLOCK_N, BLOCK_K, SPLIT, num_warps)."""
 
     __slots__ = ()
 
-    def __new__(cls, block_n: int, block_k: int, split: int, num_warps: int):
-        return super().__new__(cls, (block_n, block_k, split, num_warps))
+    def __new__(cls, block_n: int, block_k: int, split: int, num_warps: int = 4):
+        return super().__new__(cls, (int(block_n), int(block_k), int(split), int(num_warps)))
 
     block_n = property(lambda s: s[0])
     block_k = property(lambda s: s[1])
@@ -181,34 +203,57 @@ class GemvConfig(tuple):
 
 INTERPRETER_CONFIG = GemvConfig(32, 16, 2, 4)  # small blocks, SPLIT > 1: both store paths exercised
 _REDUCE_BLOCK = 1024
+WAVES = 3  # programs per SM the heuristic aims for: enough kept rows in flight at low densities
+FILLED = 2  # output blocks per SM from which the outputs alone fill the GPU: no split, no reduce launch
 _SM_COUNT: dict[int, int] = {}
-_TUNED: dict[tuple, GemvConfig] = {}  # decisions taken by tune() on eager calls
+_GPU_NAME: dict[int, str] = {}
+
+
+def _device_index(device: torch.device) -> int:
+    return device.index if device.index is not None else torch.cuda.current_device()
 
 
 def _sm_count(device: torch.device) -> int:
     if device.type != "cuda":
         return 8
-    index = device.index if device.index is not None else torch.cuda.current_device()
+    index = _device_index(device)
     if index not in _SM_COUNT:
         _SM_COUNT[index] = torch.cuda.get_device_properties(index).multi_processor_count
     return _SM_COUNT[index]
 
 
-def _split_for(ks, ns, block_n: int, block_k: int, sms: int, waves: float = 2.0) -> int:
-    """Input slices so that (output blocks × slices) covers `waves` programs per SM, each slice at least
-    four BLOCK_K steps long (shorter ones spend more on the workspace than they save)."""
+def gpu_name(device: torch.device) -> str:
+    """The table's GPU key: the CUDA device name ("cpu" elsewhere)."""
+    if device.type != "cuda":
+        return device.type
+    index = _device_index(device)
+    if index not in _GPU_NAME:
+        _GPU_NAME[index] = torch.cuda.get_device_name(index)
+    return _GPU_NAME[index]
+
+
+def split_for(ks, ns, block_n: int, block_k: int, sms: int, waves: float = WAVES) -> int:
+    """Input slices so that (output blocks × slices) gives about `waves` programs per SM; 1 when the
+    output blocks alone give FILLED per SM (then there is no workspace and no reduce launch). Each slice keeps at least
+    two BLOCK_K steps, so the pipeline has a next step to prefetch."""
     blocks = sum(-(-n // block_n) for n in ns)
-    want = max(1, -(-int(waves * sms) // blocks))
-    most = max(1, max(ks) // (4 * block_k))
-    return int(min(want, most, 32))
+    if blocks >= FILLED * sms:
+        return 1
+    want = -(-int(waves * sms) // max(blocks, 1))
+    most = max(1, max(ks) // (2 * block_k))
+    return int(max(1, min(want, most, 64)))
 
 
-def heuristic_config(ks, ns, dtype: torch.dtype, device: torch.device) -> GemvConfig:
+def heuristic_config(ks, ns, dtype: torch.dtype, device: torch.device, sms: int | None = None) -> GemvConfig:
+    """128 bytes of each kept row per program (one cache line), 64 rows per step (8 KB of weights in
+    flight per program while the previous step is multiplied), 4 warps (so several programs share an
+    SM), split until the grid is ~WAVES programs per SM."""
     if interpreting():
         return INTERPRETER_CONFIG
-    block_n = 256 if dtype in (torch.float16, torch.bfloat16) else 128  # 512 B of each row per step
-    block_k = 16
-    return GemvConfig(block_n, block_k, _split_for(ks, ns, block_n, block_k, _sm_count(device)), 8)
+    block_n = 32 if dtype == torch.float32 else 64
+    block_k = 64
+    sms = sms if sms is not None else _sm_count(device)
+    return GemvConfig(block_n, block_k, split_for(ks, ns, block_n, block_k, sms), 4)
 
 
 def sparsity_bin(density: float) -> int:
@@ -216,63 +261,63 @@ def sparsity_bin(density: float) -> int:
     return int(min(4, max(0, round(float(density) * 4))))
 
 
-def _key(ks, ns, dtype, mode: str, sbin: int, device: torch.device) -> tuple:
-    return (tuple(ks), tuple(ns), str(dtype), mode, sbin, str(device))
+def _bucket(x: int) -> int:
+    """Shapes to the nearest half power of two (rank adapters have a different rank in every layer:
+    one table entry serves all ranks of a size class)."""
+    if x <= 1:
+        return 1
+    return int(round(2 ** (round(math.log2(x) * 2) / 2)))
+
+
+_DTYPE_NAMES = {torch.float32: "float32", torch.float16: "float16", torch.bfloat16: "bfloat16"}
+
+
+def table_key(ks, ns, dtype: torch.dtype, sbin: int) -> str:
+    """The table's key for a launch: dtype, sparsity bin, bucketed max K and total N, group size."""
+    return f"{_DTYPE_NAMES.get(dtype, str(dtype))}|s{int(sbin)}|K{_bucket(max(ks))}|N{_bucket(sum(ns))}|G{len(ks)}"
+
+
+@functools.lru_cache(maxsize=None)
+def _table(path: str) -> dict:
+    """{gpu name: {key: [BLOCK_N, BLOCK_K, SPLIT, warps]}}: the table inlined by an export, else the
+    file; read once per process (the first launch, eager or traced: never during a CUDA-graph replay).
+    A missing or unreadable file is an empty table: the heuristic serves."""
+    try:
+        data = SHIPPED_TABLE if SHIPPED_TABLE is not None else json.loads(Path(path).read_text(encoding="utf-8"))
+        return {gpu: dict(entries) for gpu, entries in data.get("gpus", {}).items()}
+    except (OSError, ValueError, AttributeError, TypeError):
+        return {}
+
+
+def read_table(path: Path | str = TABLE_FILE) -> dict:
+    """The whole table file ({"format": 1, "gpus": {...}}); an empty table when there is none."""
+    try:
+        data = json.loads(Path(path).read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return {"format": 1, "gpus": {}}
+    return data if isinstance(data, dict) and isinstance(data.get("gpus"), dict) else {"format": 1, "gpus": {}}
 
 
 def choose_config(ks, ns, dtype, mode: str, sbin: int, device) -> GemvConfig:
-    """The tuned decision for these shapes, else the heuristic. Never tunes (safe in traced/captured code)."""
+    """The shipped table's config for these shapes on this GPU, else the heuristic. A pure function of
+    its arguments: eager, traced and captured calls agree, and nothing is timed here."""
     if interpreting():
         return INTERPRETER_CONFIG
-    return _TUNED.get(_key(ks, ns, dtype, mode, sbin, device)) or heuristic_config(ks, ns, dtype, device)
+    entry = _table(str(TABLE_FILE)).get(gpu_name(device), {}).get(table_key(ks, ns, dtype, sbin))
+    if entry:
+        block_n, block_k, _, warps = entry
+        # the table's split was tuned for its bucket's shapes: re-derive it for these exact ones from
+        # the programs per SM it amounted to
+        return GemvConfig(block_n, block_k, _split_like(entry, ks, ns, device), warps)
+    return heuristic_config(ks, ns, dtype, device)
 
 
-def _candidates(ks, ns, dtype, device) -> list[GemvConfig]:
-    sms = _sm_count(device)
-    out = []
-    wide = (128, 256) if dtype in (torch.float16, torch.bfloat16) else (64, 128)
-    for block_n in wide + (512,):
-        for block_k in (8, 16, 32):
-            for waves in (1.0, 2.0, 4.0):
-                for warps in (4, 8):
-                    cfg = GemvConfig(block_n, block_k, _split_for(ks, ns, block_n, block_k, sms, waves), warps)
-                    if cfg not in out:
-                        out.append(cfg)
-    return out
-
-
-def _tuning_allowed(tensor: torch.Tensor) -> bool:
-    if interpreting() or not tensor.is_cuda or torch.compiler.is_compiling():
-        return False
-    if type(tensor) is not torch.Tensor and not isinstance(tensor, torch.nn.Parameter):
-        return False  # fake / functional tensors (tracing)
-    return not torch.cuda.is_current_stream_capturing()
-
-
-def tune(vs, w_ts, thresholds, mode: str, scales, biases, sbin: int, repeats: int = 20) -> GemvConfig:
-    """Time every candidate on these very tensors (CUDA, eager, not capturing) and cache the fastest."""
-    ks, ns = [w.shape[0] for w in w_ts], [w.shape[1] for w in w_ts]
-    dtype, device = vs[0].dtype, vs[0].device
-    key = _key(ks, ns, dtype, mode, sbin, device)
-    if key in _TUNED:
-        return _TUNED[key]
-    best, best_ms = None, float("inf")
-    for cfg in _candidates(ks, ns, dtype, device):
-        try:
-            _launch(vs, w_ts, thresholds, mode, scales, biases, cfg)  # compile + warm
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            for _ in range(repeats):
-                _launch(vs, w_ts, thresholds, mode, scales, biases, cfg)
-            end.record()
-            end.synchronize()
-            ms = start.elapsed_time(end) / repeats
-        except Exception:  # a config that does not fit this GPU (shared memory, registers)
-            continue
-        if ms < best_ms:
-            best, best_ms = cfg, ms
-    _TUNED[key] = best or heuristic_config(ks, ns, dtype, device)
-    return _TUNED[key]
+def _split_like(entry, ks, ns, device) -> int:
+    block_n, block_k, split = entry[:3]
+    if split <= 1:
+        return 1
+    waves = split * sum(-(-n // block_n) for n in ns) / _sm_count(device)
+    return split_for(ks, ns, block_n, block_k, _sm_count(device), waves)
 
 
 # --------------------------------------------------------------------------------------------
@@ -295,57 +340,78 @@ def _check_group(vs, w_ts, thresholds, scales, biases, mode: str) -> None:
             raise ValueError(f"one token per projection: v of {v.numel()} values for w_t of shape {tuple(w.shape)}")
 
 
+_WARNED_LAYOUT: list = []
+
+
+def _streamable(w: torch.Tensor) -> torch.Tensor:
+    """w_t with unit stride along N. A row-major nn.Linear weight would need a full copy per token (3×
+    the traffic, silently, inside a CUDA graph): refused while tracing, copied with one warning eagerly.
+    The adapters keep their masked weights column-major for this kernel."""
+    if w.stride(1) == 1:
+        return w
+    if _is_fake(w) or torch.compiler.is_compiling():
+        raise ValueError(f"masked GEMV: w_t of shape {tuple(w.shape)} has strides {tuple(w.stride())}; it must be "
+                         "(K, N) with unit stride along N (a column-major nn.Linear weight)")
+    if not _WARNED_LAYOUT:
+        _WARNED_LAYOUT.append(True)
+        import warnings
+
+        warnings.warn("masked GEMV: a row-major weight is copied on every call; store it column-major "
+                      "(rana.modules.common.column_major_linear)", RuntimeWarning, stacklevel=3)
+    return w.contiguous()
+
+
 def _launch(vs, w_ts, thresholds, mode: str, scales, biases, cfg: GemvConfig, wrap=None) -> torch.Tensor:
     """Launch the kernels with `cfg`; returns the concatenated output (sum of N_g,) in v's dtype.
 
     `wrap` is torch.library.wrap_triton inside the triton_op (so torch.compile sees the kernels)."""
-    partial, reduce = kernels()
+    gemv, reduce = kernels()
     if wrap is not None:
-        partial, reduce = wrap(partial), wrap(reduce)
+        gemv, reduce = wrap(gemv), wrap(reduce)
     g = len(w_ts)
     device, dtype = vs[0].device, vs[0].dtype
     ks = [w.shape[0] for w in w_ts]
     ns = [w.shape[1] for w in w_ts]
     n_total = sum(ns)
     block_n, block_k, split, warps = cfg
-    k_chunk = -(-(-(-max(ks) // split)) // block_k) * block_k  # ceil(K / split) rounded up to BLOCK_K
-    split = -(-max(ks) // k_chunk)  # no empty trailing slice
+    # each projection's inputs in `split` equal slices of whole BLOCK_K steps (a projection in a group is
+    # sliced as it would be alone: grouped and single launches sum in the same order)
+    chunks = [-(-(-(-max(k, 1) // split)) // block_k) * block_k for k in ks]
+    split = max(-(-max(k, 1) // c) for k, c in zip(ks, chunks))  # no slice empty in every projection
     nbs = [-(-n // block_n) for n in ns]
     pad = lambda seq, fill: list(seq) + [fill] * (MAX_GROUPS - g)
-    w_p = pad([w if w.stride(1) == 1 else w.contiguous() for w in w_ts], w_ts[0])
-    v_p = pad([v.reshape(-1) for v in vs], vs[0].reshape(-1))
+    w_ts = [_streamable(w) for w in w_ts]
+    flat_vs = [v.reshape(-1) for v in vs]
+    w_p = pad(w_ts, w_ts[0])
+    v_p = pad(flat_vs, flat_vs[0])
     t_p = pad(thresholds, thresholds[0])
-    s_p = pad([s if s is not None else v.reshape(-1) for s, v in zip(scales, vs)], vs[0].reshape(-1))
-    b_p = pad([b if b is not None else v.reshape(-1) for b, v in zip(biases, vs)], vs[0].reshape(-1))
+    s_p = pad([s if s is not None else v for s, v in zip(scales, flat_vs)], flat_vs[0])
+    b_p = pad([b if b is not None else v for b, v in zip(biases, flat_vs)], flat_vs[0])
     has_b = pad([b is not None for b in biases], False)
-    k_p, n_p = pad(ks, 0), pad(ns, 0)
+    k_p, n_p, c_p = pad(ks, 0), pad(ns, 0), pad(chunks, block_k)
     out = torch.empty(n_total, dtype=dtype, device=device)
-    target = out if split == 1 else torch.empty(split, n_total, dtype=torch.float32, device=device)
+    ws = out if split == 1 else torch.empty(split, n_total, dtype=torch.float32, device=device)
     if wrap is not None and interpreting() and _is_fake(out):
         return out  # fake tracing under the interpreter: it would run the kernel on meta storage
     grid = (sum(nbs), split)
-    partial[grid](w_p[0], v_p[0], t_p[0], s_p[0], b_p[0], w_p[1], v_p[1], t_p[1], s_p[1], b_p[1],
-                  w_p[2], v_p[2], t_p[2], s_p[2], b_p[2], target,
-                  k_p[0], k_p[1], k_p[2], n_p[0], n_p[1], n_p[2],
-                  w_p[0].stride(0), w_p[1].stride(0), w_p[2].stride(0), nbs[0], nbs[1] if g > 1 else 0,
-                  k_chunk, n_total,
-                  G=g, MODE=MODE_IDS[mode], B0=has_b[0], B1=has_b[1], B2=has_b[2], SPLIT=split,
-                  BLOCK_N=block_n, BLOCK_K=block_k, num_warps=warps)
+    gemv[grid](w_p[0], v_p[0], t_p[0], s_p[0], b_p[0], w_p[1], v_p[1], t_p[1], s_p[1], b_p[1],
+               w_p[2], v_p[2], t_p[2], s_p[2], b_p[2], out, ws,
+               k_p[0], k_p[1], k_p[2], n_p[0], n_p[1], n_p[2],
+               w_p[0].stride(0), w_p[1].stride(0), w_p[2].stride(0), nbs[0], nbs[1] if g > 1 else 0,
+               c_p[0], c_p[1], c_p[2], n_total,
+               G=g, MODE=MODE_IDS[mode], B0=has_b[0], B1=has_b[1], B2=has_b[2], WORKSPACE=split > 1,
+               BLOCK_N=block_n, BLOCK_K=block_k, num_warps=warps)
     if split > 1:
-        reduce[(-(-n_total // _REDUCE_BLOCK),)](target, out, n_total, SPLIT=split, BLOCK=_REDUCE_BLOCK,
-                                                num_warps=4)
+        reduce[(-(-n_total // _REDUCE_BLOCK),)](ws, out, n_total, SPLIT=split, BLOCK=_REDUCE_BLOCK, num_warps=4)
     return out
 
 
 def grouped_masked_gemv_triton(vs, w_ts, thresholds, mode: str, scales, biases, sbin: int = 2,
                                wrap=None) -> torch.Tensor:
     """Concatenated masked GEMVs of up to three projections in one launch (plus a reduce launch when the
-    inputs are split). Tunes on the first eager CUDA call for these shapes; traced and captured calls
-    take the cached decision. Returns a 1-D tensor of sum(N_g) values in vs[0]'s dtype."""
+    inputs are split). The config is :func:`choose_config`'s. Returns a 1-D tensor of sum(N_g) values in
+    vs[0]'s dtype."""
     _check_group(vs, w_ts, thresholds, scales, biases, mode)
     ks, ns = [w.shape[0] for w in w_ts], [w.shape[1] for w in w_ts]
-    if _tuning_allowed(vs[0]):
-        cfg = tune(vs, w_ts, thresholds, mode, scales, biases, sbin)
-    else:
-        cfg = choose_config(ks, ns, vs[0].dtype, mode, sbin, vs[0].device)
+    cfg = choose_config(ks, ns, vs[0].dtype, mode, sbin, vs[0].device)
     return _launch(vs, w_ts, thresholds, mode, scales, biases, cfg, wrap=wrap)

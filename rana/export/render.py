@@ -16,6 +16,7 @@ import builtins
 import dataclasses
 import importlib
 import inspect
+import json
 import re
 import symtable
 import sys
@@ -141,6 +142,14 @@ def _install_function_source() -> str:
     return inspect.getsource(rana_io.install_empty_adapters)
 
 
+def _inline_gemv_table(source: str) -> str:
+    """The masked-GEMV kernel with its tuning table inlined (remote code ships .py files only)."""
+    from ..kernels import triton_gemv
+
+    table = json.dumps(triton_gemv.read_table(), sort_keys=True)
+    return _replace_marker(source, "shipped-gemv-table", f"SHIPPED_TABLE: dict | None = {table}")
+
+
 def render_sources(config, model_cls: type) -> dict[str, str]:
     """{file name: source} of the remote code for a model of `config` / stock class `model_cls`."""
     spec = get_arch(config)
@@ -151,6 +160,7 @@ def render_sources(config, model_cls: type) -> dict[str, str]:
     targets = {**SHIPPED_MODULES, **_IMPORT_ALIASES}
     files = {f"{short}.py": rewrite_imports(name, module_source(name), targets)
              for name, short in SHIPPED_MODULES.items()}
+    files["triton_gemv.py"] = _inline_gemv_table(files["triton_gemv.py"])
     files[f"{ARCHSPEC_MODULE}.py"] = _render_archspec(spec)
 
     cfg = (TEMPLATE_DIR / CONFIG_FILE).read_text(encoding="utf-8")
@@ -174,8 +184,10 @@ _RELATIVE_IMPORT_RE = re.compile(r"^\s*from\s+\.(\S+)\s+import", re.MULTILINE)  
 
 
 def _top_level_names(tree: ast.Module) -> set[str]:
+    """Names a module binds at its top level, including inside module-level `if` / `try` blocks (the
+    optional Triton kernels are defined under `if triton is not None:`)."""
     names = set()
-    for node in tree.body:
+    for node in _module_level_statements(tree.body):
         if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
             names.add(node.name)
         elif isinstance(node, (ast.Assign, ast.AnnAssign)):
@@ -184,6 +196,16 @@ def _top_level_names(tree: ast.Module) -> set[str]:
         elif isinstance(node, (ast.Import, ast.ImportFrom)):
             names.update((a.asname or a.name).split(".")[0] for a in node.names)
     return names
+
+
+def _module_level_statements(body):
+    for node in body:
+        yield node
+        if isinstance(node, ast.If):
+            yield from _module_level_statements(node.body + node.orelse)
+        elif isinstance(node, ast.Try):
+            handlers = [stmt for h in node.handlers for stmt in h.body]
+            yield from _module_level_statements(node.body + handlers + node.orelse + node.finalbody)
 
 
 def _unguarded_imports(node: ast.AST):

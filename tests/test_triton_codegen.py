@@ -1,0 +1,136 @@
+"""What inductor and the CUDA compiler do with the shipped Triton kernels, proven on a CPU.
+
+Under torch.compile on CUDA, inductor re-emits each user Triton kernel's source into its output
+module and keeps only the helpers it finds among the kernel's global names; a helper reached any
+other way is missing there and the first compiled decode step fails. Here every shipped kernel is
+regenerated with inductor's own function, executed from a fresh module file and compiled by Triton
+for an sm_90 target, and the PTX of every specialization the compiled path can launch on an H100 is
+read: no barrier inside the K loop, weight loads prefetched a step ahead, no spills. Negative
+controls show each check can fail. Runs in a subprocess without TRITON_INTERPRET (the interpreter's
+functions have no PTX). No GPU needed.
+"""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from rana.kernels import triton_gemv as tg
+
+REPO = Path(__file__).resolve().parents[1]
+pytestmark = pytest.mark.skipif(not tg.triton_available(), reason="triton is not installed")
+
+SCRIPT = textwrap.dedent(r'''
+    import json, sys
+    sys.path.insert(0, sys.argv[1])
+    import ptx_table as pt
+    from rana.kernels import triton_gemv as tg
+
+    out = {"sources": {}, "rows": []}
+    kernels = {}
+    for k in tg.kernels():
+        src = pt.regenerated_source(k)
+        out["sources"][k.__name__] = [name for name in ("_kept_rows_dot", "_project", "_active")
+                                      if f"def {name}(" in src]
+        kernels[k.__name__] = pt.regenerated_kernel(k)
+    for v in pt.variants():
+        out["rows"].append(pt.analyse(v, kernels))
+
+    # negative controls: a helper reached through a closure, and a reduction inside the loop
+    path = sys.argv[2]
+    import importlib.util
+    spec = importlib.util.spec_from_file_location("bad_kernels", path)
+    bad = importlib.util.module_from_spec(spec); spec.loader.exec_module(bad)
+    closure_kernel = bad.build()
+    try:
+        pt.compile_sm90(pt.regenerated_kernel(closure_kernel), tg.torch.bfloat16, {"BLOCK": 64}, 4)
+        out["closure_compiles"] = True
+    except Exception as exc:
+        out["closure_compiles"] = False
+        out["closure_error"] = f"{type(exc).__name__}: {exc}"[:300]
+    ptx = pt.compile_sm90(pt.regenerated_kernel(bad.reduce_in_loop), tg.torch.bfloat16,
+                          {"BLOCK_N": 64, "BLOCK_K": 16}, 8).asm["ptx"]
+    out["in_loop"] = pt.ptx_stats(ptx)
+    print("RESULT " + json.dumps(out))
+''')
+
+BAD_KERNELS = textwrap.dedent(r'''
+    import triton
+    import triton.language as tl
+
+
+    def build():
+        @triton.jit
+        def _helper(x):
+            return x * 2
+
+        @triton.jit
+        def closure_kernel(x_ptr, y_ptr, BLOCK: tl.constexpr):
+            offs = tl.arange(0, BLOCK)
+            tl.store(y_ptr + offs, _helper(tl.load(x_ptr + offs)))
+
+        return closure_kernel
+
+
+    @triton.jit
+    def reduce_in_loop(w_ptr, v_ptr, y_ptr, K, N, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+        offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+        acc = tl.zeros([BLOCK_N], dtype=tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            offs_k = k0 + tl.arange(0, BLOCK_K)
+            v = tl.load(v_ptr + offs_k).to(tl.float32)
+            w = tl.load(w_ptr + offs_k[:, None] * N + offs_n[None, :], eviction_policy="evict_first")
+            acc += tl.sum(w.to(tl.float32) * v[:, None], axis=0)
+        tl.store(y_ptr + offs_n, acc.to(y_ptr.dtype.element_ty))
+''')
+
+
+@pytest.fixture(scope="module")
+def compiled(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("codegen")
+    (tmp / "bad_kernels.py").write_text(BAD_KERNELS)
+    (tmp / "run.py").write_text(SCRIPT)
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    out = subprocess.run([sys.executable, str(tmp / "run.py"), str(REPO / "benchmarks"), str(tmp / "bad_kernels.py")],
+                         cwd=REPO, env=env, capture_output=True, text=True, timeout=900)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-6000:]
+    line = [ln for ln in out.stdout.splitlines() if ln.startswith("RESULT ")][-1]
+    return json.loads(line[len("RESULT "):])
+
+
+def test_inductor_regeneration_keeps_every_helper(compiled):
+    assert compiled["sources"]["rana_masked_gemv"] == ["_kept_rows_dot", "_project", "_active"]
+    assert compiled["sources"]["rana_gemv_reduce"] == []
+
+
+def test_every_specialization_compiles_for_sm90(compiled):
+    rows = compiled["rows"]
+    gemv = [r for r in rows if r["kernel"] == "rana_masked_gemv"]
+    # every dtype, group size and mask mode a decode step launches, both store paths
+    assert {r["dtype"] for r in gemv} == {"bfloat16", "float16", "float32"}
+    assert {r["constexprs"]["G"] for r in gemv} == {1, 2, 3}
+    assert {r["constexprs"]["MODE"] for r in gemv} == set(tg.MODE_IDS.values())
+    assert {r["constexprs"]["WORKSPACE"] for r in gemv} == {True, False}
+    assert any(r["kernel"] == "rana_gemv_reduce" for r in rows)
+
+
+def test_k_loop_streams(compiled):
+    for r in compiled["rows"]:
+        if r["kernel"] != "rana_masked_gemv":
+            continue
+        where = f"{r['dtype']} {r['constexprs']}"
+        assert r["loops"] >= 1 and r["barriers_in_loop"] == 0, where
+        assert r["weight_loads_in_loop"] > 0 and r["prefetched"], where
+        assert r["weight_load_width"] == "v4", where  # 16-byte loads
+        if r.get("registers") is not None:
+            assert r["spill_bytes"] == 0 and r["registers"] <= 128, where
+
+
+def test_negative_controls_fail_the_checks(compiled):
+    assert compiled["closure_compiles"] is False and "_helper" in compiled["closure_error"]
+    assert compiled["in_loop"]["barriers_in_loop"] > 0 and not compiled["in_loop"]["prefetched"]
