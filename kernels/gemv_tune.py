@@ -62,7 +62,6 @@ def problems(shape: tuple) -> list[Problem]:
         Problem("down", (inter,), (hidden,), "abs_scaled"),
         Problem("lm head", (hidden,), (vocab,), "abs"),
         Problem("q/k/v A (rank code)", (rank,) * 3, qkv_ns, "square"),
-        Problem("gate/up B (dense)", (hidden,) * 2, (rank, rank), "none"),
         Problem("gate/up A (rank code)", (rank,) * 2, (inter, inter), "square"),
     ]
 

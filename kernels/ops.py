@@ -12,6 +12,8 @@ Ops (one token: ``v`` holds K values, any leading dims of size 1):
                              Tensor?[] biases, SymInt sparsity_bin) -> Tensor
         triton_op (registered when triton imports): the grouped Triton kernel of triton_gemv.py, visible
         to torch.compile / inductor through wrap_triton, captured by CUDA graphs.
+    rana::dense_gemv_triton(Tensor[] vs, Tensor[] ws) -> Tensor
+        triton_op: up to three dense row-major GEMVs in one launch (the rank adapters' codes B x).
 
 ``threshold`` is a 0-dim fp32 tensor (a module buffer) and ``mode`` one of "none", "square",
 "abs_scaled", "abs" (see masked_gemv.py). Every op has a fake implementation, so
@@ -36,9 +38,10 @@ import torch
 
 from .cpu_gemv import MODE_IDS, masked_linear_native
 from .masked_gemv import masked_gemv_dense, masked_gemv_torch
-from .triton_gemv import grouped_masked_gemv_triton, interpreting, kernels, sparsity_bin, triton_available
+from .triton_gemv import (grouped_dense_gemv_triton, grouped_masked_gemv_triton, interpreting, kernels, sparsity_bin,
+                          triton_available)
 
-__all__ = ["decode_masked", "decode_masked_grouped", "masked_gemv_impl", "sparsity_bin", "DEFAULT_SPARSITY_BIN",
+__all__ = ["decode_masked", "decode_masked_grouped", "decode_dense_grouped", "masked_gemv_impl", "sparsity_bin", "DEFAULT_SPARSITY_BIN",
            "HAS_TRITON", "OP_NAMES", "MODES"]
 
 MODES = ("none", "square", "abs_scaled", "abs")
@@ -123,11 +126,18 @@ if not _registered("masked_gemv"):
 if not _registered("masked_gemv_grouped"):
     torch.library.custom_op("rana::masked_gemv_grouped", _masked_gemv_grouped_op,
                             mutates_args=()).register_fake(_masked_gemv_grouped_fake)
+def _dense_gemv_triton_op(vs: Sequence[torch.Tensor], ws: Sequence[torch.Tensor]) -> torch.Tensor:
+    return grouped_dense_gemv_triton(list(vs), list(ws), wrap=torch.library.wrap_triton)
+
+
 if HAS_TRITON and not _registered("masked_gemv_triton"):
     # triton_op: torch.compile traces into the launches (wrap_triton) and derives the fake itself
     torch.library.triton_op("rana::masked_gemv_triton", _masked_gemv_triton_op, mutates_args=())
+if HAS_TRITON and not _registered("dense_gemv_triton"):
+    torch.library.triton_op("rana::dense_gemv_triton", _dense_gemv_triton_op, mutates_args=())
 
-OP_NAMES = ("rana::masked_gemv", "rana::masked_gemv_grouped") + (("rana::masked_gemv_triton",) if HAS_TRITON else ())
+OP_NAMES = ("rana::masked_gemv", "rana::masked_gemv_grouped") + (
+    ("rana::masked_gemv_triton", "rana::dense_gemv_triton") if HAS_TRITON else ())
 
 
 # --------------------------------------------------------------------------------------------
@@ -182,3 +192,15 @@ def decode_masked_grouped(vs, w_ts, thresholds, mode: str, scales, biases,
         return list(flat.split(ns))
     # CPU eagerly: one native call per projection, no concatenation
     return [decode_masked(w, v, t, mode, s, b).reshape(-1) for v, w, t, s, b in zip(vs, w_ts, thresholds, scales, biases)]
+
+
+def decode_dense_grouped(vs, ws) -> list[torch.Tensor] | None:
+    """``W_g @ v_g`` of up to three row-major weights in one launch where the Triton kernels run (the rank
+    adapters' codes `B x` of gate and up); None elsewhere: the callers' own F.linear is best there."""
+    if not _use_triton(vs[0]) or any(w.stride(-1) != 1 for w in ws):
+        return None
+    if torch.compiler.is_compiling():
+        flat = torch.ops.rana.dense_gemv_triton(vs, ws)
+    else:
+        flat = grouped_dense_gemv_triton(list(vs), list(ws))
+    return list(flat.split([w.shape[0] for w in ws]))

@@ -50,14 +50,15 @@ import torch
 # one table of mask modes for every kernel: the ids are the C kernel's and the Triton kernel's ABI
 from .cpu_gemv import MODE_IDS
 
-__all__ = ["triton_available", "interpreting", "grouped_masked_gemv_triton", "choose_config", "heuristic_config",
+__all__ = ["triton_available", "interpreting", "grouped_masked_gemv_triton", "grouped_dense_gemv_triton",
+           "choose_config", "heuristic_config",
            "MODE_IDS", "GemvConfig", "TABLE_FILE", "table_key", "sparsity_bin", "KERNEL_NAMES"]
 
 MAX_GROUPS = 3
 TABLE_FILE = Path(__file__).with_name("gemv_configs.json")
 # An export inlines the table here: transformers copies only the .py files of remote code.
 SHIPPED_TABLE: dict | None = None  # rana:shipped-gemv-table
-KERNEL_NAMES = ("rana_masked_gemv", "rana_gemv_reduce")  # what profilers show
+KERNEL_NAMES = ("rana_masked_gemv", "rana_gemv_reduce", "rana_dense_gemv")  # what profilers show
 
 try:  # optional: a model exported with these files must import on machines without triton
     import triton
@@ -75,10 +76,10 @@ def triton_available() -> bool:
 
 
 def kernels():
-    """(masked GEMV kernel, reduce kernel)."""
+    """(masked GEMV kernel, reduce kernel, dense row-major GEMV kernel)."""
     if triton is None:
         raise RuntimeError("triton is not installed")
-    return rana_masked_gemv, rana_gemv_reduce
+    return rana_masked_gemv, rana_gemv_reduce, rana_dense_gemv
 
 
 # --------------------------------------------------------------------------------------------
@@ -182,6 +183,48 @@ if triton is not None:
         for s in tl.static_range(SPLIT):
             acc += tl.load(ws_ptr + s * N + offs, mask=ok, other=0.0)
         tl.store(y_ptr + offs, acc.to(y_ptr.dtype.element_ty), mask=ok)
+
+
+    @triton.jit
+    def _dense_rows(w_ptr, v_ptr, out_ptr, K, N, stride_w, block, out_off,
+                    BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr):
+        """out[rows] = W[rows, :] @ v for BLOCK_R contiguous rows of a row-major W: each row is read as one
+        contiguous stream, the next step's tiles in flight while this one is multiplied."""
+        rows = block * BLOCK_R + tl.arange(0, BLOCK_R)
+        r_ok = rows[:, None] < N
+        base = w_ptr + rows[:, None].to(tl.int64) * stride_w
+        acc = tl.zeros([BLOCK_R, BLOCK_K], dtype=tl.float32)
+        # v is loaded as a [BLOCK_R, BLOCK_K] tile (every row the same, from L1) so that it gets the weight
+        # tile's own layout: a loaded row broadcast afterwards is converted through shared memory, with
+        # barriers, every step
+        offs = tl.arange(0, BLOCK_K)[None, :]
+        v_base = v_ptr + (rows[:, None] * 0)
+        w_cur = tl.load(base + offs, mask=r_ok & (offs < K), other=0.0, eviction_policy="evict_first")
+        v_cur = tl.load(v_base + offs, mask=offs < K, other=0.0, eviction_policy="evict_last")
+        for k0 in range(0, K, BLOCK_K):
+            offs1 = k0 + BLOCK_K + tl.arange(0, BLOCK_K)[None, :]
+            w_nxt = tl.load(base + offs1, mask=r_ok & (offs1 < K), other=0.0, eviction_policy="evict_first")
+            v_nxt = tl.load(v_base + offs1, mask=offs1 < K, other=0.0, eviction_policy="evict_last")
+            acc += w_cur.to(tl.float32) * v_cur.to(tl.float32)
+            w_cur, v_cur = w_nxt, v_nxt
+        tl.store(out_ptr + out_off + rows, tl.sum(acc, axis=1).to(out_ptr.dtype.element_ty), mask=rows < N)
+
+    @triton.jit
+    def rana_dense_gemv(w0, v0, w1, v1, w2, v2, out_ptr, K0, K1, K2, N0, N1, N2, SW0, SW1, SW2, NB0, NB1,
+                        G: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr):
+        # the rank adapters' codes B x of up to three projections (gate's and up's), one launch, no split:
+        # a row-major W has enough rows to fill the GPU without slicing K
+        pid = tl.program_id(0)
+        if pid < NB0:
+            _dense_rows(w0, v0, out_ptr, K0, N0, SW0, pid, 0, BLOCK_R, BLOCK_K)
+        else:
+            if G == 2:
+                _dense_rows(w1, v1, out_ptr, K1, N1, SW1, pid - NB0, N0, BLOCK_R, BLOCK_K)
+            elif G == 3:
+                if pid < NB0 + NB1:
+                    _dense_rows(w1, v1, out_ptr, K1, N1, SW1, pid - NB0, N0, BLOCK_R, BLOCK_K)
+                else:
+                    _dense_rows(w2, v2, out_ptr, K2, N2, SW2, pid - NB0 - NB1, N0 + N1, BLOCK_R, BLOCK_K)
 
 
 # --------------------------------------------------------------------------------------------
@@ -365,7 +408,7 @@ def _launch(vs, w_ts, thresholds, mode: str, scales, biases, cfg: GemvConfig, wr
     """Launch the kernels with `cfg`; returns the concatenated output (sum of N_g,) in v's dtype.
 
     `wrap` is torch.library.wrap_triton inside the triton_op (so torch.compile sees the kernels)."""
-    gemv, reduce = kernels()
+    gemv, reduce, _ = kernels()
     if wrap is not None:
         gemv, reduce = wrap(gemv), wrap(reduce)
     g = len(w_ts)
@@ -415,3 +458,41 @@ def grouped_masked_gemv_triton(vs, w_ts, thresholds, mode: str, scales, biases, 
     ks, ns = [w.shape[0] for w in w_ts], [w.shape[1] for w in w_ts]
     cfg = choose_config(ks, ns, vs[0].dtype, mode, sbin, vs[0].device)
     return _launch(vs, w_ts, thresholds, mode, scales, biases, cfg, wrap=wrap)
+
+
+# --------------------------------------------------------------------------------------------
+# the rank adapters' dense codes: several row-major GEMVs in one launch
+# --------------------------------------------------------------------------------------------
+def dense_rows_config(dtype: torch.dtype) -> tuple[int, int, int]:
+    """(BLOCK_R, BLOCK_K, num_warps): 8 rows × 1 KB of each per step (8 KB in flight per program)."""
+    if interpreting():
+        return 4, 32, 4
+    return 8, (256 if dtype == torch.float32 else 512), 4
+
+
+def grouped_dense_gemv_triton(vs, ws, wrap=None) -> torch.Tensor:
+    """Concatenated ``W_g @ v_g`` of up to three row-major (N_g, K_g) weights (an nn.Linear's own layout:
+    the rank adapters' B), one launch; a 1-D tensor of sum(N_g) values in vs[0]'s dtype."""
+    g = len(ws)
+    if not 1 <= g <= MAX_GROUPS or len(vs) != g:
+        raise ValueError(f"1 to {MAX_GROUPS} weights with one input each")
+    for v, w in zip(vs, ws):
+        if w.dim() != 2 or v.numel() != w.shape[1] or w.stride(1) != 1:
+            raise ValueError(f"dense GEMV: a row-major (N, K) weight and K inputs, got {tuple(w.shape)} strides "
+                             f"{tuple(w.stride())} for {v.numel()} inputs")
+    _, _, kernel = kernels()
+    if wrap is not None:
+        kernel = wrap(kernel)
+    block_r, block_k, warps = dense_rows_config(vs[0].dtype)
+    ns, ks = [w.shape[0] for w in ws], [w.shape[1] for w in ws]
+    nbs = [-(-n // block_r) for n in ns]
+    pad = lambda seq, fill: list(seq) + [fill] * (MAX_GROUPS - g)
+    flat = [v.reshape(-1) for v in vs]
+    w_p, v_p, k_p, n_p = pad(ws, ws[0]), pad(flat, flat[0]), pad(ks, 0), pad(ns, 0)
+    out = torch.empty(sum(ns), dtype=vs[0].dtype, device=vs[0].device)
+    if wrap is not None and interpreting() and _is_fake(out):
+        return out
+    kernel[(sum(nbs),)](w_p[0], v_p[0], w_p[1], v_p[1], w_p[2], v_p[2], out, k_p[0], k_p[1], k_p[2],
+                        n_p[0], n_p[1], n_p[2], w_p[0].stride(0), w_p[1].stride(0), w_p[2].stride(0),
+                        nbs[0], nbs[1] if g > 1 else 0, G=g, BLOCK_R=block_r, BLOCK_K=block_k, num_warps=warps)
+    return out

@@ -104,8 +104,11 @@ ISOLATED = textwrap.dedent(r'''
             "dtype": str(model.dtype),
             "adapters": sorted({type(m).__name__ for m in model.modules() if hasattr(m, "measured_macs")}),
             "laurel": sum(type(m).__name__ == "LaurelResidual" for m in model.modules()),
-            "row_major": [n for n, p in model.named_parameters() if n.endswith((".A.weight", ".B.weight",
-                          ".linear.weight")) and not p.t().is_contiguous()],
+            # masked weights column-major, the rank adapters' B (always read whole) row-major
+            "row_major": [n for n, p in model.named_parameters() if n.endswith((".A.weight", ".linear.weight"))
+                          and not p.t().is_contiguous()],
+            "column_major_B": [n for n, p in model.named_parameters() if n.endswith(".B.weight")
+                               and not p.is_contiguous()],
             "rana_modules": sorted(m for m in sys.modules if m.split(".")[0] in BLOCKED),
             "tokenizer": (AutoTokenizer.from_pretrained(folder)("hi")["input_ids"]
                           if (pathlib.Path(folder) / "tokenizer_config.json").is_file() else None),
@@ -210,7 +213,8 @@ def test_logits_generate_and_resave_match(exported, references, name):
     assert torch.equal(r["tokens"], ref["tokens"])
     assert_close(r["logits_resaved"], r["logits"])
     assert {"modeling_rana.py", "configuration_rana.py", "rank_linear.py", "masked_gemv.py"} <= set(r["resaved_files"])
-    assert r["row_major"] == [], "adapter weights should be column-major after loading"
+    assert r["row_major"] == [], "masked adapter weights should be column-major after loading"
+    assert r["column_major_B"] == [], "the rank adapters' B should be row-major after loading"
     expected = {type(m).__name__ for m in ref["model"].modules() if hasattr(m, "measured_macs")}
     assert r["adapters"] == sorted(expected) and expected
 

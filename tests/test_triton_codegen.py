@@ -35,7 +35,7 @@ SCRIPT = textwrap.dedent(r'''
     kernels = {}
     for k in tg.kernels():
         src = pt.regenerated_source(k)
-        out["sources"][k.__name__] = [name for name in ("_kept_rows_dot", "_project", "_active")
+        out["sources"][k.__name__] = [name for name in ("_kept_rows_dot", "_project", "_active", "_dense_rows")
                                       if f"def {name}(" in src]
         kernels[k.__name__] = pt.regenerated_kernel(k)
     for v in pt.variants():
@@ -106,6 +106,7 @@ def compiled(tmp_path_factory):
 def test_inductor_regeneration_keeps_every_helper(compiled):
     assert compiled["sources"]["rana_masked_gemv"] == ["_kept_rows_dot", "_project", "_active"]
     assert compiled["sources"]["rana_gemv_reduce"] == []
+    assert compiled["sources"]["rana_dense_gemv"] == ["_dense_rows"]
 
 
 def test_every_specialization_compiles_for_sm90(compiled):
@@ -114,14 +115,17 @@ def test_every_specialization_compiles_for_sm90(compiled):
     # every dtype, group size and mask mode a decode step launches, both store paths
     assert {r["dtype"] for r in gemv} == {"bfloat16", "float16", "float32"}
     assert {r["constexprs"]["G"] for r in gemv} == {1, 2, 3}
-    assert {r["constexprs"]["MODE"] for r in gemv} == set(tg.MODE_IDS.values())
+    assert {r["constexprs"]["MODE"] for r in gemv} >= {tg.MODE_IDS[m] for m in ("square", "abs_scaled", "abs")}
     assert {r["constexprs"]["WORKSPACE"] for r in gemv} == {True, False}
     assert any(r["kernel"] == "rana_gemv_reduce" for r in rows)
+    dense = [r for r in rows if r["kernel"] == "rana_dense_gemv"]
+    assert {(r["dtype"], r["constexprs"]["G"]) for r in dense} == {(d, g) for d in ("bfloat16", "float16", "float32")
+                                                                   for g in (1, 2, 3)}
 
 
 def test_k_loop_streams(compiled):
     for r in compiled["rows"]:
-        if r["kernel"] != "rana_masked_gemv":
+        if r["kernel"] == "rana_gemv_reduce":
             continue
         where = f"{r['dtype']} {r['constexprs']}"
         assert r["loops"] >= 1 and r["barriers_in_loop"] == 0, where

@@ -10,6 +10,7 @@ import torch.nn as nn
 
 from ..archs import get_arch
 from ..modules import InputSparseLinear, NeuronThresholdLinear, RankAdapterLinear, RankSliceLinear, SharedRankCode
+from ..modules.common import restore_layouts
 from ..modules.laurel import LaurelConfig, apply_laurel, get_laurel_config, laurel_parameters
 from .config import FinetuneConfig, FinetuneError
 
@@ -189,13 +190,11 @@ def merge_trained(model: nn.Module, *, gradient_checkpointing: bool) -> nn.Modul
 
 
 def restore_column_major(model: nn.Module) -> None:
-    """Adapter weights are stored column-major for the masked-GEMV kernels; keep it that way."""
+    """Adapter weights back in the layouts the decode kernels read (masked ones column-major, the rank
+    adapters' B row-major) after a LoRA merge."""
     for m in model.modules():
         if isinstance(m, ADAPTER_TYPES):
-            for child in m.children():
-                if isinstance(child, nn.Linear) and not child.weight.t().is_contiguous():
-                    w = child.weight
-                    child.weight = nn.Parameter(w.detach().t().contiguous().t(), requires_grad=w.requires_grad)
+            restore_layouts(m)
 
 
 def refresh_norms(model: nn.Module) -> None:

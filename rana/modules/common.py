@@ -25,6 +25,34 @@ def column_major_linear(weight: torch.Tensor, bias: torch.Tensor | None = None) 
     return layer
 
 
+def row_major_linear(weight: torch.Tensor, bias: torch.Tensor | None = None) -> nn.Linear:
+    """An ordinary nn.Linear holding a contiguous copy of `weight` (o × i, row-major): the layout of a
+    matrix that is always read whole (the rank adapters' B), which cuBLAS and the grouped dense GEMV
+    read as one contiguous stream per output."""
+    out_features, in_features = weight.shape
+    layer = nn.Linear(in_features, out_features, bias=bias is not None, device="meta")
+    layer.weight = nn.Parameter(weight.detach().contiguous().clone())
+    if bias is not None:
+        layer.bias = nn.Parameter(bias.detach().clone())
+    return layer
+
+
+def restore_layouts(module: nn.Module) -> None:
+    """Put an adapter's linear children back in the layouts its decode path reads: the children named
+    in `row_major_children` row-major, every other nn.Linear child column-major. (A loader or a LoRA
+    merge may hand back either.)"""
+    row_major = getattr(module, "row_major_children", ())
+    for name, child in module.named_children():
+        if type(child) is not nn.Linear:
+            continue
+        w = child.weight  # .data keeps the Parameter (and anything holding it)
+        if name in row_major:
+            if not w.is_contiguous():
+                w.data = w.data.contiguous()
+        elif not w.t().is_contiguous():
+            w.data = w.data.t().contiguous().t()
+
+
 def plain_linear(layer: nn.Module) -> bool:
     """True when `layer` is an unwrapped nn.Linear (not a peft LoRA wrapper)."""
     return type(layer) is nn.Linear

@@ -25,7 +25,7 @@ import weakref
 import torch
 import torch.nn as nn
 
-from ..kernels.ops import decode_masked_grouped, sparsity_bin
+from ..kernels.ops import decode_dense_grouped, decode_masked_grouped, sparsity_bin
 from .neuron_linear import InputSparseLinear, NeuronThresholdLinear
 from .rank_linear import RankAdapterLinear, relink_shared_codes
 
@@ -60,7 +60,8 @@ class DecodeGroup:
             members = self.members()
             if any(m is None or m._decode_group is not self or m.training or m.meter_on for m in members):
                 return None  # a member gone, relinked elsewhere, training or metering
-            operands = [m.decode_operands(x) for m in members]
+            codes = self._codes(x, members)
+            operands = [m.decode_operands(x) if z is None else m.decode_operands(x, z) for m, z in zip(members, codes)]
             if any(o is None for o in operands):
                 return None  # a peft-wrapped child: LoRA must run
             vs, w_ts, ts, scales, biases = (list(c) for c in zip(*operands))
@@ -73,6 +74,21 @@ class DecodeGroup:
         left -= 1
         self._decoded = (x, outs, left) if left > 0 else None
         return outs[slot]
+
+
+    def _codes(self, x: torch.Tensor, members: list) -> list:
+        """The rank adapters' codes `B x` of every member in one launch where the Triton kernels run;
+        Nones elsewhere (each member then applies its own B)."""
+        none = [None] * len(members)
+        if self.mode != "square":
+            return none
+        weights = [m.code_weight() for m in members]
+        if any(w is None for w in weights):
+            return none
+        if torch.is_grad_enabled() and (x.requires_grad or any(w.requires_grad for w in weights)):
+            return none
+        codes = decode_dense_grouped([x] * len(members), weights)
+        return none if codes is None else [z.view(*x.shape[:-1], z.shape[-1]) for z in codes]
 
 
 def group_bin(members) -> int:

@@ -13,7 +13,7 @@ import torch
 import torch.nn as nn
 
 from ..kernels.ops import decode_masked_grouped
-from .common import MacMeter, column_major_linear, decode_linear
+from .common import MacMeter, column_major_linear, decode_linear, row_major_linear
 
 
 def _single_token(x: torch.Tensor) -> bool:
@@ -21,11 +21,16 @@ def _single_token(x: torch.Tensor) -> bool:
 
 
 class RankAdapterLinear(MacMeter, nn.Module):
-    """Drop-in for an nn.Linear: children `B` (i → r) and `A` (r → o, carries the bias)."""
+    """Drop-in for an nn.Linear: children `B` (i → r) and `A` (r → o, carries the bias).
+
+    B is read whole every token (row-major, nn.Linear's own layout); A is read by kept rank only
+    (column-major, so a kept rank is one contiguous row of `A.weight.t()`)."""
+
+    row_major_children = ("B",)
 
     def __init__(self, A: torch.Tensor, B: torch.Tensor, bias: torch.Tensor | None, threshold: float):
         super().__init__()
-        self.B = column_major_linear(B)
+        self.B = row_major_linear(B)
         self.A = column_major_linear(A, bias)
         self.register_buffer("threshold", torch.tensor(float(threshold), dtype=torch.float32))
         self.in_features, self.out_features, self.rank = B.shape[1], A.shape[0], B.shape[0]
@@ -51,13 +56,19 @@ class RankAdapterLinear(MacMeter, nn.Module):
         self._record(mask)
         return self.A(z * mask)
 
-    def decode_operands(self, x: torch.Tensor):
-        """(code z = B x, w_t of A, threshold, scale, bias) in a grouped decode launch, or None (peft-wrapped)."""
+    def decode_operands(self, x: torch.Tensor, code: torch.Tensor | None = None):
+        """(code z = B x, w_t of A, threshold, scale, bias) in a grouped decode launch, or None (peft-wrapped).
+        `code`: z already computed (the group's one launch for all its members' B)."""
         B, A = self._modules["B"], self._modules["A"]
         if type(B) is not nn.Linear or type(A) is not nn.Linear:
             return None
         params = A._parameters
-        return B(x), params["weight"].t(), self._buffers["threshold"], None, params["bias"]
+        return B(x) if code is None else code, params["weight"].t(), self._buffers["threshold"], None, params["bias"]
+
+    def code_weight(self) -> torch.Tensor | None:
+        """B's weight when a grouped launch may compute this adapter's code (a plain, unwrapped B)."""
+        B = self._modules["B"]
+        return B._parameters["weight"] if type(B) is nn.Linear and B._parameters["bias"] is None else None
 
     def measured_macs(self) -> float:
         return self.rank * self.in_features + self.out_features * self.mean_active()
@@ -77,9 +88,11 @@ class SharedRankCode(MacMeter, nn.Module):
     (:meth:`decode`) and the others take their slice of it.
     """
 
+    row_major_children = ("B",)
+
     def __init__(self, B: torch.Tensor, threshold: float, out_features: int, consumers: int = 3):
         super().__init__()
-        self.B = column_major_linear(B)
+        self.B = row_major_linear(B)
         self.register_buffer("threshold", torch.tensor(float(threshold), dtype=torch.float32))
         self.in_features, self.rank, self.out_features = B.shape[1], B.shape[0], out_features
         self.consumers = consumers

@@ -24,6 +24,7 @@ from transformers import PreTrainedModel as _StockForCausalLM  # rana:stock-mode
 
 from .archspec import SPEC, set_submodule
 from .cats import CatsActivation
+from .common import restore_layouts
 from .configuration_rana import RanaConfig
 from .groups import link_decode_groups
 from .laurel import LaurelConfig, apply_laurel
@@ -35,14 +36,8 @@ RANA_CONFIG = "config.json (rana_adapters)"  # named in install_empty_adapters' 
 
 # rana:install-empty-adapters
 
-_LINEAR_CHILDREN = {
-    RankAdapterLinear: ("A", "B"),
-    SharedRankCode: ("B",),
-    RankSliceLinear: ("A",),
-    NeuronThresholdLinear: ("linear",),
-    InputSparseLinear: ("linear",),
-    SparseLowRankLinear: ("linear", "side_in", "side_out"),
-}
+_ADAPTERS_WITH_LINEARS = (RankAdapterLinear, SharedRankCode, RankSliceLinear, NeuronThresholdLinear, InputSparseLinear,
+                          SparseLowRankLinear)
 
 
 class RanaForCausalLM(_StockForCausalLM):
@@ -64,17 +59,16 @@ class RanaForCausalLM(_StockForCausalLM):
 
     @torch.no_grad()
     def rana_finalize(self):
-        """After loading weights: store adapter weights column-major again and refresh column norms.
+        """After loading weights: adapter weights back in their decode layouts and column norms refreshed.
 
         The loader may replace parameters by row-major tensors; the batch-1 masked GEMV reads
-        ``weight.t()`` row by row, so it is made contiguous here once instead of on every call.
-        Thresholds are kept in float32, whatever dtype the model was loaded in.
+        ``weight.t()`` row by row, so masked weights are made column-major here once instead of on every
+        call (the rank adapters' B, always read whole, stays row-major). Thresholds are kept in float32,
+        whatever dtype the model was loaded in.
         """
         for module in self.modules():
-            for name in _LINEAR_CHILDREN.get(type(module), ()):
-                linear = getattr(module, name)
-                if type(linear) is nn.Linear and not linear.weight.t().is_contiguous():
-                    linear.weight.data = linear.weight.data.t().contiguous().t()
+            if isinstance(module, _ADAPTERS_WITH_LINEARS):
+                restore_layouts(module)
             for name, buf in list(module.named_buffers(recurse=False)):
                 if name in ("threshold", "column_norms") and buf is not None and buf.dtype != torch.float32:
                     setattr(module, name, buf.float())
