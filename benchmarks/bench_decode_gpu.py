@@ -1,20 +1,34 @@
 """Batch-1 decoding on a GPU, dense vs rana, with models that need no download.
 
 Builds Llama-2-7B-shaped (hidden 4096, intermediate 11008, 32 layers, 32 KV heads, vocabulary 32000)
-and Llama-3-8B-shaped (intermediate 14336, 8 KV heads, vocabulary 128256) models with random weights.
-Compressing all 32 layers per budget would dominate the run, so `--compress-layers` layers (default 2)
-of a model of the same widths are compressed with rana's own `compress_model` on the GPU (bf16) at
-each budget F, and their adapters are repeated over the 32 layers of a copy of the dense model. When
-compression on the GPU fails (see the note in the output), it runs on the CPU in float32 and the
-adapters are moved to the GPU. The per-layer budget is what F sets (the calibration model's vocabulary
-is tiny, so its embedding and head weigh nothing in F); the end-to-end model keeps a dense LM head.
+and Llama-3-8B-shaped (intermediate 14336, 8 KV heads, vocabulary 128256) models with random weights,
+in bf16. Compressing all 32 layers per budget would dominate the run, so `--compress-layers` layers
+(default 2) of a model of the same widths are compressed with rana's own `compress_model` on the GPU
+(bf16) at each budget F, and their adapters are repeated over the 32 layers of a copy of the dense
+model. When compression on the GPU fails (see the notes in the output), it runs on the CPU in float32
+and the adapters are moved to the GPU. The per-layer budget is what F sets (the calibration model's
+vocabulary is tiny, so its embedding and head weigh nothing in F); the end-to-end model keeps a dense
+LM head.
 
-Timings come from `rana.evaluation.latency_ratio`, the harness of `rana eval --latency`: dense and rana
-interleaved, each under eager `generate` (dynamic cache) and under static cache + torch.compile
-(CUDA graphs), a fresh StaticCache per run. Writes benchmarks/results/decode_gpu.md + .json.
+For each model and F, two harnesses of `rana.evaluation.latency_ratio`, dense and rana timed
+identically and interleaved in the same run, >= 128 timed tokens, decode ms/token with prefill removed:
+
+- step: gpt-fast style: one StaticCache, eager prefill, a compiled one-token step (fullgraph,
+  CUDA graphs) in a bare loop: the model's own decode time;
+- compiled: `generate` with one reused StaticCache, transformers compiling the decode step: the user path.
+
+Also per model and F: each harness's greedy tokens against eager `generate`'s (bf16 may diverge late:
+recorded, never fatal); compile time (first run minus a timed run) and compile health during the timed
+runs (new graphs, graph breaks, CUDA-graph recordings); a torch.profiler breakdown of the compiled decode
+step (GPU time per token in rana's masked kernels, its split-K reduce, other GEMV/GEMM, attention, the
+rest; kernels per token; host time per step).
+
+Work runs in priority order (F = 0.58 for both models, then the other budgets) and what would not fit
+`--time-budget` seconds is skipped and listed. Writes --out STEM .md + .json
+(default benchmarks/results/gpu_decode).
 
     python benchmarks/bench_decode_gpu.py                         # on a CUDA machine (~80 GB GPU)
-    python benchmarks/bench_decode_gpu.py --smoke --out /tmp/d    # tiny shapes on CPU: code paths only
+    python benchmarks/bench_decode_gpu.py --smoke                 # tiny model on CPU: code paths only
 """
 from __future__ import annotations
 
@@ -27,7 +41,9 @@ from types import SimpleNamespace
 
 import torch
 
-BUDGETS = [0.85, 0.70, 0.58]
+BUDGETS = [0.85, 0.70, 0.58, 0.50]
+FIRST_BUDGET = 0.58  # measured first, for every model: the budget the GPU suite must report
+HARNESSES = ("step", "compiled")
 SHAPES = {
     "llama-2-7b-shaped": dict(hidden_size=4096, intermediate_size=11008, num_attention_heads=32,
                               num_key_value_heads=32, vocab_size=32000),
@@ -36,8 +52,18 @@ SHAPES = {
 }
 SMOKE_SHAPES = {"tiny-llama": dict(hidden_size=64, intermediate_size=160, num_attention_heads=4,
                                    num_key_value_heads=2, vocab_size=128)}
+# kernel (or, on CPU, op) name fragments → profile class; the first class that matches wins
+KERNEL_CLASSES = (
+    ("rana_reduce", ("rana_gemv_reduce",)),
+    ("rana_masked", ("rana_masked_gemv", "rana::masked_gemv")),
+    ("rana_dense", ("rana_dense_gemv",)),  # rana's own dense GEMV (rank adapters' B), apart from cuBLAS
+    ("attention", ("flash", "fmha", "attention", "sdpa", "softmax")),
+    ("gemm", ("gemm", "gemv", "cublas", "cutlass", "xmma", "nvjet", "splitk", "fused_mm", "aten::mm", "aten::addmm",
+              "aten::bmm", "aten::mv", "aten::matmul", "aten::linear")),
+)
 
 
+# ------------------------------------------------------------------------------------------ models
 def _config(shape: dict, layers: int, vocab: int | None = None):
     from transformers import LlamaConfig
 
@@ -66,10 +92,12 @@ def compressed_layers(shape: dict, budget: float, n_layers: int, dtype, device, 
     from rana.compress import CompressConfig, compress_model
 
     vocab = 64
-    calib = torch.randint(0, vocab, (24 if smoke else 72, 16 if smoke else 128), generator=torch.Generator().manual_seed(1))
-    data = SimpleNamespace(fit=calib[: -4], heldout=calib[-4:])
+    calib = torch.randint(0, vocab, (24 if smoke else 72, 16 if smoke else 128),
+                          generator=torch.Generator().manual_seed(1))
+    data = SimpleNamespace(fit=calib[:-4], heldout=calib[-4:])
     tokens = calib[:-4].numel()
-    attempts = [(device, dtype)] + ([] if (torch.device(device).type == "cpu" and dtype == torch.float32) else [("cpu", torch.float32)])
+    on_cpu_fp32 = torch.device(device).type == "cpu" and dtype == torch.float32
+    attempts = [(device, dtype)] + ([] if on_cpu_fp32 else [("cpu", torch.float32)])
     for dev, dt in attempts:
         model = _build(_config(shape, n_layers, vocab), dt, dev)
         cfg = CompressConfig(model="random", flops=budget, method="rana", calib_tokens=tokens, seq_len=calib.shape[1],
@@ -101,76 +129,365 @@ def rana_model(dense, layers):
     return model.eval()
 
 
-def run(args) -> dict:
+# ------------------------------------------------------------------------------------ measurements
+def matching_prefix(tokens: list[int], reference: list[int]) -> int:
+    """How many of the first tokens equal the reference's (greedy decoding diverges for good after one)."""
+    n = 0
+    for a, b in zip(tokens, reference):
+        if a != b:
+            break
+        n += 1
+    return n
+
+
+def eager_tokens(model, prompt, new_tokens: int) -> list[int]:
+    """Greedy tokens of eager `generate` (dynamic cache): the reference of both compiled harnesses."""
+    from rana.evaluation import decode_latency
+
+    return decode_latency(model, prompt, new_tokens=new_tokens, warmup=0, repeats=1, mode="eager")["generated_ids"]
+
+
+def time_harness(model, dense, prompt, harness: str, refs: dict, args) -> dict:
+    """Dense and rana timed interleaved under `harness`; tokens against eager; compile time and health."""
     from rana.evaluation import latency_ratio
 
-    device = torch.device("cpu" if args.smoke else "cuda")
-    dtype = torch.float32 if args.smoke else torch.bfloat16
-    shapes = SMOKE_SHAPES if args.smoke else SHAPES
-    layers = 2 if args.smoke else 32
-    budgets = [0.7] if args.smoke else args.budgets
-    harnesses = ["eager", "compiled"]
-    prompt = torch.randint(0, 64, (1, 8 if args.smoke else 64), generator=torch.Generator().manual_seed(2))
-    records, notes = [], []
-    for name, shape in shapes.items():
-        dense = _build(_config(shape, layers), dtype, device)
-        for budget in budgets:
-            compressed = compressed_layers(shape, budget, args.compress_layers, dtype, device, args.smoke, notes)
-            model = rana_model(dense, compressed)
-            for harness in harnesses:
-                r = latency_ratio(model, dense, prompt, new_tokens=args.new_tokens, warmup=args.warmup,
-                                  repeats=args.repeats, mode=harness)
-                records.append({"model": name, "budget": budget, "harness": harness,
-                                "dense_ms_per_token": 1e3 / r["dense_decode_tokens_per_s"],
-                                "rana_ms_per_token": 1e3 / r["decode_tokens_per_s"],
-                                "speedup": r["decode_tokens_per_s"] / r["dense_decode_tokens_per_s"],
-                                "limit": 1 / budget, "raw": r})
-                torch._dynamo.reset()
-            del model, compressed
-            if device.type == "cuda":
-                torch.cuda.empty_cache()
-        del dense
-    return {"device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu (smoke)",
-            "torch": torch.__version__, "smoke": args.smoke, "dtype": str(dtype), "new_tokens": args.new_tokens,
-            "prompt_tokens": prompt.shape[1], "compress_layers": args.compress_layers, "notes": notes,
-            "records": records}
+    r = latency_ratio(model, dense, prompt, new_tokens=args.new_tokens, warmup=args.warmup, repeats=args.repeats,
+                      mode=harness, compile_backend=args.compile_backend)
+    ours, base = r["model"], r["dense"]
+    return {"harness": harness,
+            "dense_ms_per_token": 1e3 / r["dense_decode_tokens_per_s"],
+            "rana_ms_per_token": 1e3 / r["decode_tokens_per_s"],
+            "speedup": r["decode_tokens_per_s"] / r["dense_decode_tokens_per_s"],
+            # the first run compiles (and records CUDA graphs); a timed run does not
+            "compile_seconds": {"rana": ours["first_run_seconds"] - ours["seconds"],
+                                "dense": base["first_run_seconds"] - base["seconds"]},
+            "eager_match": {"rana": matching_prefix(ours["generated_ids"], refs["rana"]),
+                            "dense": matching_prefix(base["generated_ids"], refs["dense"]),
+                            "of": args.new_tokens},
+            "compile_warmup": ours["compile_warmup"], "compile_timed": ours["compile_timed"], "raw": r}
+
+
+def _classify(name: str) -> str:
+    low = name.lower()
+    for cls, keys in KERNEL_CLASSES:
+        if any(k in low for k in keys):
+            return cls
+    return "other"
+
+
+def _event_totals(events, device_type) -> tuple[dict[str, float], int]:
+    """µs per class and the number of kernels (CUDA) or operators (CPU: events named like `ns::op`).
+
+    CUDA: each kernel's own duration. CPU: self time, so an op is not counted again inside its caller."""
+    from torch.autograd import DeviceType
+
+    totals = {cls: 0.0 for cls, _ in KERNEL_CLASSES} | {"other": 0.0}
+    count = 0
+    for evt in events:
+        if evt.device_type != device_type:
+            continue
+        if device_type == DeviceType.CUDA:
+            us = float(evt.time_range.end - evt.time_range.start)
+        else:
+            us = float(getattr(evt, "self_cpu_time_total", 0.0))
+            if "::" not in evt.name:
+                totals["other"] += us  # Python-level ranges (compiled region, cudagraph replay): host time
+                continue
+        totals[_classify(evt.name)] += us
+        count += 1
+    return totals, count
+
+
+@torch.inference_mode()  # as the timed harnesses: the adapters take their decode kernels only without autograd
+def profile_step(model, prompt, steps: int, kwargs, device) -> dict:
+    """Where one compiled decode step's time goes (the step harness's step, warmed and replayed).
+
+    Per token: device time by class (on CUDA, GPU kernel time; on CPU, operator self time), kernels, the
+    host time of a step call (it returns once its work is queued: far below the device time when the step
+    is GPU-bound), and the synced wall time per step."""
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+
+    from rana.evaluation.decode_step import StepRunner, decode_steps, prefill
+
+    on_cuda = device.type == "cuda"
+    runner = StepRunner(model, prompt, steps + 1, kwargs)
+    for _ in range(2):  # this cache is new: compile (cached) and record its CUDA graphs, then replay
+        runner()
+    host: list[float] = []
+    token, position = prefill(runner.prefill_fn, prompt, runner.cache)
+    _sync(device)
+    start = time.perf_counter()
+    decode_steps(runner.step, token, position, runner.cache, steps, host)
+    _sync(device)
+    wall = (time.perf_counter() - start) / steps
+    token, position = prefill(runner.prefill_fn, prompt, runner.cache)
+    _sync(device)
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if on_cuda else [])
+    with profile(activities=activities) as prof:
+        decode_steps(runner.step, token, position, runner.cache, steps)
+        _sync(device)
+    totals, count = _event_totals(prof.events(), DeviceType.CUDA if on_cuda else DeviceType.CPU)
+    per_token = {k: v / steps for k, v in totals.items()}
+    return {"us_per_token": per_token, "total_us_per_token": sum(per_token.values()),
+            "kernels_per_token": count / steps, "host_us_per_step": 1e6 * sum(host) / len(host),
+            "wall_us_per_step": 1e6 * wall, "steps": steps, "time_kind": "GPU kernel" if on_cuda else "CPU op self"}
+
+
+def _sync(device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _init_profiler_for_cuda_graphs(notes: list) -> None:
+    """Kernels replayed from a CUDA graph are seen by the profiler only if it was initialised before the
+    capture (torch.profiler._utils._init_for_cuda_graphs, where this torch has it)."""
+    try:
+        from torch.profiler._utils import _init_for_cuda_graphs
+    except ImportError:
+        notes.append("torch.profiler._utils._init_for_cuda_graphs missing: graph kernels may be absent from profiles")
+        return
+    _init_for_cuda_graphs()
+
+
+# ------------------------------------------------------------------------------------- scheduling
+class Clock:
+    """The --time-budget: a piece of work starts only if the time it took last (same kind, else the same kind
+    on the other model, else the other harness) still fits in what is left; a kind never timed runs once."""
+
+    def __init__(self, seconds: float):
+        self.start, self.seconds = time.perf_counter(), seconds
+        self.costs: dict[tuple[str, str], float] = {}
+
+    def elapsed(self) -> float:
+        return time.perf_counter() - self.start
+
+    def estimate(self, kind: str, model: str) -> float:
+        if (kind, model) in self.costs:
+            return self.costs[(kind, model)]
+        kinds = (kind,) + tuple(h for h in HARNESSES if kind in HARNESSES and h != kind)
+        for k in kinds:
+            seen = [v for (k2, _), v in self.costs.items() if k2 == k]
+            if seen:
+                return max(seen)
+        return 0.0
+
+    def fits(self, kinds: list[str], model: str) -> bool:
+        left = self.seconds - self.elapsed()
+        return left > 0 and sum(self.estimate(k, model) for k in kinds) <= left
+
+    def timed(self, kind: str, model: str, fn):
+        start = time.perf_counter()
+        out = fn()
+        self.costs[(kind, model)] = time.perf_counter() - start
+        return out
+
+
+def work_order(models: list[str], budgets: list[float]) -> list[tuple[str, float]]:
+    """F = 0.58 for every model first (the number the GPU suite reports), then the other budgets in turn."""
+    first = [(m, b) for b in budgets if b == FIRST_BUDGET for m in models]
+    return first + [(m, b) for b in budgets if b != FIRST_BUDGET for m in models]
+
+
+class Session:
+    """The state of one benchmark run: dense models and their eager tokens (built once per shape), the
+    clock, and what was measured, skipped and noted."""
+
+    def __init__(self, args):
+        self.args = args
+        self.device = torch.device("cpu" if args.smoke else "cuda")
+        self.dtype = torch.float32 if args.smoke else torch.bfloat16
+        self.shapes = SMOKE_SHAPES if args.smoke else SHAPES
+        self.prompt = torch.randint(0, 64, (1, args.prompt_tokens), generator=torch.Generator().manual_seed(2))
+        self.clock = Clock(args.time_budget)
+        self.records, self.profiles, self.skipped, self.notes = [], [], [], []
+        self.compile_seconds: dict[str, float] = {}
+        self._dense: dict[str, tuple] = {}
+
+    def dense(self, name: str):
+        """(dense model, its eager greedy tokens), built on first use."""
+        if name not in self._dense:
+            model = self.clock.timed("build", name, lambda: _build(_config(self.shapes[name], self.args.layers),
+                                                                    self.dtype, self.device))
+            ref = self.clock.timed("eager", name, lambda: eager_tokens(model, self.prompt.to(self.device),
+                                                                      self.args.new_tokens))
+            self._dense[name] = (model, ref)
+        return self._dense[name]
+
+    def skip(self, name: str, budget: float, what: str) -> None:
+        self.skipped.append(f"{name} F={budget}: {what} (time budget: {self.clock.elapsed():.0f} of "
+                            f"{self.args.time_budget:.0f} s used)")
+
+
+def run_unit(s: Session, name: str, budget: float) -> None:
+    """One model at one budget: compress, eager reference tokens, both harnesses, the profile."""
+    from rana.evaluation import step_compile_kwargs
+
+    args, clock, prompt = s.args, s.clock, s.prompt.to(s.device)
+    first = ["compress", "eager", HARNESSES[0]] + ([] if name in s._dense else ["build", "eager"])
+    if not clock.fits(first, name):
+        s.skip(name, budget, "everything (compression, both harnesses, profile)")
+        return
+    dense, dense_ref = s.dense(name)
+    layers = clock.timed("compress", name, lambda: compressed_layers(
+        s.shapes[name], budget, args.compress_layers, s.dtype, s.device, args.smoke, s.notes))
+    model = rana_model(dense, layers)
+    refs = {"dense": dense_ref,
+            "rana": clock.timed("eager", name, lambda: eager_tokens(model, prompt, args.new_tokens))}
+    for harness in HARNESSES:
+        if not clock.fits([harness], name):
+            s.skip(name, budget, f"{harness} harness")
+            continue
+        record = clock.timed(harness, name, lambda: time_harness(model, dense, prompt, harness, refs, args))
+        s.records.append({"model": name, "budget": budget, "limit": 1 / budget, **record})
+    if clock.fits(["profile"], name):
+        s.profiles.append(clock.timed("profile", name, lambda: {
+            "model": name, "budget": budget,
+            **{which: profile_step(m, prompt, args.profile_steps,
+                                   step_compile_kwargs(m, s.device, args.compile_backend), s.device)
+               for which, m in (("dense", dense), ("rana", model))}}))
+    else:
+        s.skip(name, budget, "profile")
+    del model, layers
+    _release(s.device)
+
+
+def _release(device) -> None:
+    """Compiled code and CUDA graphs of the finished rana model go (dense recompiles in the next unit: the
+    price of never holding two rana models' graphs and weights at once)."""
+    import gc
+
+    torch._dynamo.reset()
+    if device.type == "cuda":
+        try:
+            from torch._inductor.cudagraph_trees import reset_cudagraph_trees
+        except ImportError:  # newer torch resets them in torch._dynamo.reset
+            reset_cudagraph_trees = None
+        if reset_cudagraph_trees is not None:
+            reset_cudagraph_trees()
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+
+
+def run(args, write=None) -> dict:
+    """Every unit in priority order; `write(result)` after each one, so a run stopped from outside (the
+    GPU suite's deadline) still leaves a report of what it measured."""
+    s = Session(args)
+    if s.device.type == "cuda":
+        _init_profiler_for_cuda_graphs(s.notes)
+    for name, budget in work_order(list(s.shapes), args.budgets):
+        run_unit(s, name, budget)
+        if write is not None:
+            write(result(s, complete=False))
+    return result(s, complete=True)
+
+
+def result(s: Session, complete: bool) -> dict:
+    args = s.args
+    return {"device": torch.cuda.get_device_name() if s.device.type == "cuda" else "cpu (smoke)",
+            "torch": torch.__version__, "transformers": _version("transformers"), "triton": _version("triton"),
+            "smoke": args.smoke, "dtype": str(s.dtype), "layers": args.layers, "new_tokens": args.new_tokens,
+            "prompt_tokens": args.prompt_tokens, "repeats": args.repeats, "compress_layers": args.compress_layers,
+            "compile_backend": args.compile_backend or "inductor", "time_budget": args.time_budget,
+            "elapsed_seconds": s.clock.elapsed(), "complete": complete,
+            "piece_seconds": {f"{k} {m}": v for (k, m), v in s.clock.costs.items()},
+            "notes": s.notes, "skipped": s.skipped, "records": s.records, "profiles": s.profiles}
+
+
+def _version(package: str) -> str:
+    try:
+        from importlib.metadata import version
+
+        return version(package)
+    except Exception:  # not installed: say so in the output rather than fail the benchmark
+        return "absent"
+
+
+# ------------------------------------------------------------------------------------------ output
+def _timing_table(result: dict) -> list[str]:
+    lines = ["| model | F | harness | dense ms/token | rana ms/token | rana speed vs dense | limit 1/F | "
+             "greedy = eager (rana, dense, of) | compile s (rana, dense) | timed: new graphs, breaks, graph records |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
+    for r in result["records"]:
+        m, c, t = r["eager_match"], r["compile_seconds"], r["compile_timed"]
+        lines.append(f"| {r['model']} | {r['budget']} | {r['harness']} | {r['dense_ms_per_token']:.2f} | "
+                     f"{r['rana_ms_per_token']:.2f} | {r['speedup']:.2f}x | {r['limit']:.2f}x | "
+                     f"{m['rana']}, {m['dense']}, {m['of']} | {c['rana']:.0f}, {c['dense']:.0f} | "
+                     f"{t['graphs']}, {t['graph_breaks']}, {t['cudagraph_recorded_inputs']} |")
+    return lines
+
+
+def _profile_table(result: dict) -> list[str]:
+    classes = [cls for cls, _ in KERNEL_CLASSES] + ["other"]
+    lines = ["| model | F | which | " + " | ".join(f"{c} µs" for c in classes) +
+             " | total µs | kernels/token | host µs/step | wall µs/step |",
+             "|---|---|---|" + "---|" * (len(classes) + 4)]
+    for p in result["profiles"]:
+        for which in ("dense", "rana"):
+            b = p[which]
+            lines.append(f"| {p['model']} | {p['budget']} | {which} | "
+                         + " | ".join(f"{b['us_per_token'][c]:.0f}" for c in classes)
+                         + f" | {b['total_us_per_token']:.0f} | {b['kernels_per_token']:.0f} | "
+                         f"{b['host_us_per_step']:.0f} | {b['wall_us_per_step']:.0f} |")
+    return lines
 
 
 def markdown(result: dict) -> str:
-    lines = [f"# Batch-1 decoding, dense vs rana, on {result['device']} (torch {result['torch']}, {result['dtype']})", "",
-             f"{result['prompt_tokens']}-token prompt, {result['new_tokens']} new tokens, decode ms/token (prefill removed); "
-             f"{result['compress_layers']} compressed layers repeated over the stack. Limit: 1/F (memory bound).",
-             "Generated by `python benchmarks/bench_decode_gpu.py`.", "",
-             "| model | F | harness | dense ms/token | rana ms/token | rana speed vs dense | limit |", "|---|---|---|---|---|---|---|"]
-    for r in result["records"]:
-        lines.append(f"| {r['model']} | {r['budget']} | {r['harness']} | {r['dense_ms_per_token']:.2f} | "
-                     f"{r['rana_ms_per_token']:.2f} | {r['speedup']:.2f}x | {r['limit']:.2f}x |")
-    lines += ["", "Notes:", *[f"- {n}" for n in result["notes"]]]
+    kind = result["profiles"][0]["dense"]["time_kind"] if result["profiles"] else "GPU kernel"
+    lines = [f"# Batch-1 decoding, dense vs rana, on {result['device']} (torch {result['torch']}, transformers "
+             f"{result['transformers']}, triton {result['triton']}, {result['dtype']})", "",
+             f"{result['layers']}-layer models, {result['prompt_tokens']}-token prompt, {result['new_tokens']} new "
+             f"tokens, median of {result['repeats']} interleaved runs, decode ms/token (prefill removed); "
+             f"{result['compress_layers']} compressed layers repeated over the stack; compile backend "
+             f"{result['compile_backend']}. Limit: 1/F (memory bound). step = gpt-fast-style compiled step; "
+             "compiled = generate with a static cache + torch.compile. Greedy = eager: leading tokens equal to "
+             "eager generate's. Timed compile events must all be 0.",
+             "Generated by `python benchmarks/bench_decode_gpu.py`.", "", *_timing_table(result), "",
+             f"Compiled decode step (step harness), per token ({kind} time):", "", *_profile_table(result), "",
+             f"Elapsed {result['elapsed_seconds']:.0f} s of a {result['time_budget']:.0f} s budget"
+             + ("." if result["complete"] else " (partial report: the run had not finished)."), "",
+             "Skipped:", *([f"- {x}" for x in result["skipped"]] or ["- nothing"]), "",
+             "Notes:", *[f"- {n}" for n in result["notes"]]]
     return "\n".join(lines) + "\n"
 
 
-def main(argv=None) -> None:
+def main(argv=None) -> dict:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--smoke", action="store_true", help="a tiny model on CPU: exercise the code, no numbers")
-    p.add_argument("--budgets", nargs="+", type=float, default=BUDGETS)
+    p.add_argument("--smoke", action="store_true", help="a tiny model on CPU (float32): exercise the code, no numbers")
+    p.add_argument("--budgets", nargs="+", type=float, default=BUDGETS, help="F values (0.58 always runs first)")
+    p.add_argument("--layers", type=int, default=32, help="decoder layers of the timed models")
     p.add_argument("--compress-layers", type=int, default=2)
-    p.add_argument("--new-tokens", type=int, default=128)
-    p.add_argument("--warmup", type=int, default=2)
+    p.add_argument("--new-tokens", type=int, default=128, help="timed tokens per run")
+    p.add_argument("--prompt-tokens", type=int, default=64)
+    p.add_argument("--warmup", type=int, default=1, help="untimed rounds (compile, CUDA-graph recording)")
     p.add_argument("--repeats", type=int, default=5)
-    p.add_argument("--out", type=Path, default=None, help="output stem (default benchmarks/results/decode_gpu)")
+    p.add_argument("--profile-steps", type=int, default=8, help="decode steps under the profiler")
+    p.add_argument("--time-budget", type=float, default=240.0, help="seconds; work that would not fit is skipped")
+    p.add_argument("--compile-backend", default=None,
+                   help="torch.compile backend (default inductor; --smoke: eager, which skips inductor's C++ build)")
+    p.add_argument("--out", type=Path, default=None,
+                   help="output stem (default benchmarks/results/gpu_decode; --smoke writes only where this says)")
     args = p.parse_args(argv)
     if args.smoke:
-        if args.out is None:
-            p.error("--smoke needs --out (smoke numbers never go into benchmarks/results)")
-        args.new_tokens, args.warmup, args.repeats = min(args.new_tokens, 4), 0, 1
+        args.layers, args.prompt_tokens = 2, min(args.prompt_tokens, 8)
+        args.new_tokens, args.repeats, args.profile_steps = min(args.new_tokens, 6), 1, min(args.profile_steps, 2)
+        args.budgets = [FIRST_BUDGET]
+        args.compile_backend = args.compile_backend or "eager"
     elif not torch.cuda.is_available():
         p.error("needs a CUDA GPU (or --smoke)")
-    out = args.out or (Path(__file__).resolve().parent / "results" / "decode_gpu")
-    result = run(args)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.with_suffix(".json").write_text(json.dumps(result, indent=1, default=str))
-    out.with_suffix(".md").write_text(markdown(result))
-    print(markdown(result))
+    out = args.out or (None if args.smoke else Path(__file__).resolve().parent / "results" / "gpu_decode")
+
+    def write(data: dict) -> None:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.with_suffix(".json").write_text(json.dumps(data, indent=1, default=str))
+        out.with_suffix(".md").write_text(markdown(data))
+
+    data = run(args, write if out is not None else None)
+    if out is not None:
+        write(data)
+    print(markdown(data))
+    return data
 
 
 if __name__ == "__main__":

@@ -119,7 +119,7 @@ def register(app: typer.Typer) -> None:
         dense: Optional[str] = typer.Option(None, "--dense", help="dense model for --latency / --layer-errors (default: plan.json's model)"),
         latency_tokens: int = typer.Option(EVAL_DEFAULTS['latency_new_tokens'], help="tokens generated per latency run"),
         latency_repeats: int = typer.Option(EVAL_DEFAULTS['latency_repeats'], help="timed latency runs (median)"),
-        latency_mode: str = typer.Option("auto", help="latency harness: compiled (static cache + torch.compile) | eager | auto (compiled on CUDA, eager elsewhere)"),
+        latency_mode: str = typer.Option("auto", help="latency harness: compiled (generate, static cache + torch.compile) | step (gpt-fast style: compiled one-token step, no generate overhead) | eager | auto (compiled on CUDA, eager elsewhere)"),
         layer_errors: bool = typer.Option(False, "--layer-errors", help="per-layer relative output error of QKV/o/MLP vs the dense model on the first --ppl-data text"),
         layer_error_tokens: int = typer.Option(EVAL_DEFAULTS['layer_error_tokens'], help="tokens for --layer-errors"),
         json_out: Optional[Path] = typer.Option(None, "--json", help="write machine-readable results here"),
@@ -134,8 +134,8 @@ def register(app: typer.Typer) -> None:
         refs = list(models) + [c.strip() for item in compare for c in item.split(",") if c.strip()]
         task_list = [t.strip() for t in (tasks or "").split(",") if t.strip()]
         check_request(ppl_sources=ppl_data, tasks=task_list, latency=latency, layer_errors=layer_errors)
-        if latency_mode not in ("auto", "compiled", "eager"):
-            raise ValueError(f"--latency-mode must be auto, compiled or eager, got {latency_mode!r}")
+        if latency_mode not in ("auto", "compiled", "step", "eager"):
+            raise ValueError(f"--latency-mode must be auto, compiled, step or eager, got {latency_mode!r}")
         from rana.evaluation.perplexity import ppl_preset
 
         window = ppl_preset(ppl_protocol, seq_len).window  # a bad preset name or --seq-len: one line

@@ -142,8 +142,9 @@ def test_latency_ratio_reports_both_models(model):
 
 
 def test_compiled_latency_harness(model, monkeypatch):
-    """mode="compiled": every generate gets its own fresh StaticCache and a fullgraph compile config, and
-    transformers really compiles the decode step (here with the cheap eager backend)."""
+    """mode="compiled": each model keeps one StaticCache for all its runs (reset in place, so CUDA graphs
+    are recorded once and replayed), a fullgraph compile config, and transformers really compiles the
+    decode step (here with the cheap eager backend)."""
     import rana.evaluation.latency as latency
     from torch._dynamo.utils import counters
     from transformers import StaticCache
@@ -161,7 +162,7 @@ def test_compiled_latency_harness(model, monkeypatch):
     generate = model.generate
 
     def spy(ids, **kwargs):
-        caches.append(kwargs.get("past_key_values"))
+        caches.append(kwargs.get("cache", kwargs.get("past_key_values")))  # transformers 5.24 / 5.17
         return generate(ids, **kwargs)
 
     monkeypatch.setattr(latency, "generation_config", eager_backend)
@@ -171,7 +172,8 @@ def test_compiled_latency_harness(model, monkeypatch):
     result = latency_ratio(model, model, torch.arange(6), new_tokens=3, warmup=0, repeats=1, mode="compiled")
     assert result["mode"] == "compiled" and result["tokens_per_s"] > 0
     timed = [c for c, cfg in zip(caches, configs) if cfg.compile_config is not None]
-    assert timed and all(isinstance(c, StaticCache) for c in timed) and len({id(c) for c in timed}) == len(timed)
+    assert len(timed) >= 4 and all(isinstance(c, StaticCache) for c in timed)
+    assert len({id(c) for c in timed}) <= 2  # one per model slot, reused by every run
     assert all(cfg.compile_config.fullgraph for cfg in configs if cfg.compile_config is not None)
     assert counters["stats"]["unique_graphs"] >= 1  # the decode step was compiled
     torch._dynamo.reset()

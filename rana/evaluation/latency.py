@@ -1,9 +1,14 @@
 """Decode speed: batch-1 greedy generation timed the way users decode, alone or interleaved
 with the dense model, and which masked-GEMV path produced the numbers.
 
-Two harnesses (`LATENCY_MODES`): "eager" (generate with the dynamic cache) and "compiled"
-(generate with a fresh StaticCache per run, transformers compiling the decode step; the
-default on CUDA). Dense and compressed models are always timed the same way.
+Three harnesses (`LATENCY_MODES`), dense and compressed models always timed the same way:
+
+- "eager": `generate` with the dynamic cache (a correctness harness on CUDA: it is host-bound);
+- "compiled": `generate` with one StaticCache per model, reset between runs, transformers compiling
+  the decode step (fullgraph; CUDA graphs on CUDA): the fast path transformers gives users, and the
+  default on CUDA;
+- "step": gpt-fast style (`decode_step.py`): the same cache, an eager prefill, then a compiled
+  one-token step called in a bare loop: the model's own decode time, without `generate`'s overhead.
 """
 from __future__ import annotations
 
@@ -13,14 +18,16 @@ from collections.abc import Sequence
 from typing import Any
 
 import torch
-from transformers import CompileConfig, GenerationConfig, StaticCache
+from transformers import CompileConfig, GenerationConfig
 
 from ..kernels.cpu_gemv import native_status
 from ..kernels.masked_gemv import triton_available
 from .common import eval_mode, model_device
+from .decode_step import StepRunner, cache_keyword, compile_kwargs, new_cache
 
 DEFAULT_PROMPT = "The history of the Python programming language begins in the late 1980s, when"
-LATENCY_MODES = ("eager", "compiled")
+LATENCY_MODES = ("eager", "compiled", "step")
+COMPILED_MODES = ("compiled", "step")  # compiled steps: warmed up (compile, CUDA graphs) before timing
 
 
 def _prompt_ids(tokenizer_or_ids, prompt: str) -> torch.Tensor:
@@ -43,7 +50,10 @@ def default_latency_mode(device: torch.device | str) -> str:
 
 
 def generation_config(model: torch.nn.Module, new_tokens: int, mode: str, device: torch.device) -> GenerationConfig:
-    """Greedy decoding of exactly `new_tokens` tokens under harness `mode` (tests swap the compile backend here)."""
+    """Greedy decoding of exactly `new_tokens` tokens under harness `mode`.
+
+    Its compile_config is the one compile setting of both compiled harnesses (the step harness compiles its
+    step with it too), so tests swap the compile backend of both here."""
     base = model.generation_config
     eos = base.eos_token_id
     config = GenerationConfig(
@@ -65,48 +75,122 @@ def generation_config(model: torch.nn.Module, new_tokens: int, mode: str, device
     return config
 
 
-def _time_generate(model: torch.nn.Module, ids: torch.Tensor, new_tokens: int, mode: str = "eager") -> float:
-    """Seconds for one batch-1 greedy generate of exactly `new_tokens` tokens.
+class _GenerateRunner:
+    """One model under a `generate` harness ("eager" or "compiled"): a full run of `new_tokens` tokens and a
+    1-token run (the prefill, subtracted to isolate the decode steps).
 
-    compiled: a fresh StaticCache per run (it counts its length on every call, so one cannot be reused)."""
-    device = ids.device
+    compiled: ONE StaticCache for every run of this model, reset in place before each, so the cache tensors
+    (static inputs of the compiled step) keep their addresses and CUDA graphs are recorded once, then
+    replayed. (A cache per run would re-record the graphs every run: transformers marks the cache tensors
+    static without a guard, and cudagraph trees re-record on a new static address.) transformers'
+    `cache_implementation="static"` builds a new cache per call in 5.17 and 5.24 alike, so it is not used."""
+
+    def __init__(self, model: torch.nn.Module, ids: torch.Tensor, new_tokens: int, mode: str,
+                 compile_backend: str | None):
+        self.model, self.ids = model, ids
+        self.configs = [_config(model, n, mode, ids.device, compile_backend) for n in (new_tokens, 1)]
+        self.cache = new_cache(model, ids.shape[1] + new_tokens) if mode == "compiled" else None
+        self.cache_kw = cache_keyword(model)  # generate takes the forward's name (cache= in 5.2x)
+
+    def _generate(self, config: GenerationConfig) -> tuple[float, torch.Tensor]:
+        kwargs = {}
+        if self.cache is not None:
+            self.cache.reset()  # zeroes keys, values and the fill counter in place
+            kwargs[self.cache_kw] = self.cache
+        device = self.ids.device
+        _sync(device)
+        start = time.perf_counter()
+        out = self.model.generate(self.ids, attention_mask=torch.ones_like(self.ids), generation_config=config,
+                                  **kwargs)
+        _sync(device)
+        return time.perf_counter() - start, out[:, self.ids.shape[1]:]
+
+    def __call__(self) -> tuple[float, float, torch.Tensor]:
+        """(seconds for `new_tokens` tokens, seconds for 1 token, the generated tokens (1, new_tokens))."""
+        t_full, tokens = self._generate(self.configs[0])
+        t_prefill, _ = self._generate(self.configs[1])
+        return t_full, t_prefill, tokens
+
+
+def _config(model: torch.nn.Module, new_tokens: int, mode: str, device: torch.device,
+            compile_backend: str | None) -> GenerationConfig:
+    """generation_config (looked up at call time: tests replace it), with `compile_backend` if given."""
     config = generation_config(model, new_tokens, mode, device)
-    kwargs = {}
-    if mode == "compiled":
-        kwargs["past_key_values"] = StaticCache(config=model.config, max_cache_len=ids.shape[1] + new_tokens)
-    _sync(device)
-    start = time.perf_counter()
-    model.generate(ids, attention_mask=torch.ones_like(ids), generation_config=config, **kwargs)
-    _sync(device)
-    return time.perf_counter() - start
+    if compile_backend is not None and config.compile_config is not None:
+        config.compile_config.backend = compile_backend
+        if compile_backend != "inductor":
+            config.compile_config.mode = "default"  # "reduce-overhead" is inductor's; others refuse a mode
+    return config
+
+
+def step_compile_kwargs(model: torch.nn.Module, device: torch.device | str,
+                        compile_backend: str | None = None) -> dict[str, Any]:
+    """torch.compile keywords of the step harness: the compiled harness's CompileConfig (fullgraph; CUDA
+    graphs on CUDA), so both compiled harnesses compile alike."""
+    return compile_kwargs(_config(model, 1, "compiled", torch.device(device), compile_backend).compile_config)
+
+
+def _runner(model: torch.nn.Module, ids: torch.Tensor, new_tokens: int, mode: str, compile_backend: str | None):
+    """What times one run of `model` under harness `mode`: (t_full, t_prefill, tokens) per call."""
+    if mode == "step":
+        return StepRunner(model, ids, new_tokens, step_compile_kwargs(model, ids.device, compile_backend))
+    return _GenerateRunner(model, ids, new_tokens, mode, compile_backend)
+
+
+def compile_counters() -> dict[str, int]:
+    """A snapshot of torch's compile counters; deltas between two snapshots are the compile events between.
+
+    graphs: graphs dynamo compiled (a new one after the first compile of a step is a recompile);
+    graph_breaks: breaks dynamo recorded (fullgraph=True raises on one instead);
+    cudagraph_recorded_inputs: grows with every CUDA-graph recording (by its non-static inputs), so 0
+    during timed runs means no graph was re-recorded; cudagraph_skips: functions run without CUDA graphs."""
+    from torch._dynamo.utils import counters
+
+    return {"graphs": int(counters["stats"]["unique_graphs"]),
+            "graph_breaks": int(sum(counters["graph_break"].values())),
+            "cudagraph_recorded_inputs": int(counters["inductor"]["cudagraph_recorded_non_static_inputs"]),
+            "cudagraph_skips": int(counters["inductor"]["cudagraph_skips"])}
+
+
+def _delta(before: dict[str, int], after: dict[str, int]) -> dict[str, int]:
+    return {k: after[k] - before[k] for k in after}
 
 
 def _measure(models: Sequence[torch.nn.Module], ids: torch.Tensor, new_tokens: int, warmup: int, repeats: int,
-             mode: str = "eager") -> list[dict[str, Any]]:
+             mode: str = "eager", compile_backend: str | None = None) -> list[dict[str, Any]]:
     """Interleave timings of several models so drift (clocks, thermals) hits all alike.
 
-    compiled: one short eager generate per model first, so the Triton kernels take their tuning
-    decisions outside compilation and CUDA-graph capture; the warmup runs then compile."""
+    Compiled harnesses ("compiled", "step") run at least one untimed warm-up round: it compiles the step
+    and records its CUDA graphs (its first-run seconds are reported, compile time included). There is no
+    eager tuning run: the kernels run the configurations a user's first compiled call gets."""
     if mode not in LATENCY_MODES:
         raise ValueError(f"latency mode must be one of {LATENCY_MODES}, got {mode!r}")
+    if repeats < 1:
+        raise ValueError(f"latency repeats must be at least 1, got {repeats}")
+    warm = max(warmup, 1 if mode in COMPILED_MODES else 0)
     full: list[list[float]] = [[] for _ in models]
     prefill: list[list[float]] = [[] for _ in models]
+    first: list[float | None] = [None] * len(models)
+    tokens: list[torch.Tensor | None] = [None] * len(models)
     with torch.inference_mode():
-        if mode == "compiled":
-            for model in models:
+        runners = [_runner(m, ids.to(model_device(m)), new_tokens, mode, compile_backend) for m in models]
+        counts = [compile_counters()]
+        for step in range(warm + repeats):
+            if step == warm:
+                counts.append(compile_counters())
+            for i, (model, runner) in enumerate(zip(models, runners)):
                 with eval_mode(model):
-                    _time_generate(model, ids.to(model_device(model)), 2, "eager")
-        for step in range(max(warmup, 1 if mode == "compiled" else 0) + repeats):
-            for i, model in enumerate(models):
-                model_ids = ids.to(model_device(model))
-                with eval_mode(model):
-                    t_full = _time_generate(model, model_ids, new_tokens, mode)
-                    t_prefill = _time_generate(model, model_ids, 1, mode)
-                if step >= max(warmup, 1 if mode == "compiled" else 0):
+                    t_full, t_prefill, tokens[i] = runner()
+                if step == 0:
+                    first[i] = t_full
+                if step >= warm:
                     full[i].append(t_full)
                     prefill[i].append(t_prefill)
-    return [{**_summary(f, p, new_tokens, ids.shape[1], model_device(m)), "mode": mode}
-            for f, p, m in zip(full, prefill, models)]
+        counts.append(compile_counters())
+    health = {"compile_warmup": _delta(counts[0], counts[1]), "compile_timed": _delta(counts[1], counts[2])}
+    return [{**_summary(f, p, new_tokens, ids.shape[1], model_device(m)), "mode": mode,
+             "first_run_seconds": t0, "generated_ids": tok[0].tolist(), **health}
+            for f, p, m, t0, tok in zip(full, prefill, models, first, tokens)]
 
 
 def _summary(
@@ -136,17 +220,24 @@ def decode_latency(
     warmup: int = 2,
     repeats: int = 5,
     mode: str | None = None,
+    compile_backend: str | None = None,
 ) -> dict[str, Any]:
     """Batch-1 greedy generation speed (median of `repeats` after `warmup` runs).
 
-    `mode`: "eager" (generate, dynamic cache) or "compiled" (generate with a fresh StaticCache per run,
-    transformers compiling the decode step); default :func:`default_latency_mode` of the model's device.
+    `mode`: "eager" (generate, dynamic cache), "compiled" (generate with one reused StaticCache,
+    transformers compiling the decode step) or "step" (gpt-fast style: eager prefill, compiled one-token
+    step in a bare loop); default :func:`default_latency_mode` of the model's device.
+    `compile_backend`: torch.compile's backend for the compiled modes (default inductor, the product
+    path; "eager" checks the harness cheaply on a CPU).
 
-    `tokens_per_s` is end to end (prefill + `new_tokens` steps); `decode_tokens_per_s`
-    subtracts a 1-token generate to isolate the per-token decode cost.
+    `tokens_per_s` is end to end (prefill + `new_tokens` steps); `decode_tokens_per_s` removes the
+    prefill (a 1-token generate, or the step harness's own timed prefill) to isolate the per-token
+    decode cost. `generated_ids` are the greedy tokens of the last run; `compile_timed` counts the compile
+    events during the timed runs (all 0 when nothing recompiled or re-recorded).
     """
     ids = _prompt_ids(tokenizer_or_prompt_ids, prompt)
-    return _measure([model], ids, new_tokens, warmup, repeats, mode or default_latency_mode(model_device(model)))[0]
+    mode = mode or default_latency_mode(model_device(model))
+    return _measure([model], ids, new_tokens, warmup, repeats, mode, compile_backend)[0]
 
 
 def latency_ratio(
@@ -159,16 +250,17 @@ def latency_ratio(
     warmup: int = 2,
     repeats: int = 5,
     mode: str | None = None,
+    compile_backend: str | None = None,
 ) -> dict[str, Any]:
     """Compressed vs dense decode speed, timed interleaved in the same run under the same harness (`mode`,
-    as in :func:`decode_latency`).
+    `compile_backend` as in :func:`decode_latency`).
 
     `latency_ratio` = compressed / dense seconds per generated token (< 1 is faster);
     `speedup` is its inverse. The `decode_` variants exclude prefill.
     """
     ids = _prompt_ids(tokenizer_or_prompt_ids, prompt)
     mode = mode or default_latency_mode(model_device(model))
-    ours, dense = _measure([model, dense_model], ids, new_tokens, warmup, repeats, mode)
+    ours, dense = _measure([model, dense_model], ids, new_tokens, warmup, repeats, mode, compile_backend)
     ratio = dense["tokens_per_s"] / ours["tokens_per_s"]
     decode_ratio = dense["decode_tokens_per_s"] / ours["decode_tokens_per_s"]
     return {
@@ -180,26 +272,29 @@ def latency_ratio(
         "dense_decode_tokens_per_s": dense["decode_tokens_per_s"],
         "decode_latency_ratio": decode_ratio,
         "mode": mode,
+        "compile_timed": ours["compile_timed"],
         "model": ours,
         "dense": dense,
     }
 
 
 def measure_latency(model: torch.nn.Module, tokenizer, dense_model: torch.nn.Module | None = None, *,
-                    new_tokens: int = 64, repeats: int = 5, warmup: int = 2, mode: str | None = None) -> dict:
+                    new_tokens: int = 64, repeats: int = 5, warmup: int = 2, mode: str | None = None,
+                    compile_backend: str | None = None) -> dict:
     """Batch-1 decode tokens/s; against `dense_model` (timed interleaved, same harness) as a ratio.
 
     `decode_path` says which masked-GEMV path produced the numbers (they differ by device,
     thread count and whether the native CPU kernel could be built here)."""
     mode = mode or default_latency_mode(model_device(model))
     if dense_model is None or dense_model is model:
-        r = decode_latency(model, tokenizer, new_tokens=new_tokens, warmup=warmup, repeats=repeats, mode=mode)
+        r = decode_latency(model, tokenizer, new_tokens=new_tokens, warmup=warmup, repeats=repeats, mode=mode,
+                           compile_backend=compile_backend)
         out = {"tokens_per_s": r["tokens_per_s"], "decode_tokens_per_s": r["decode_tokens_per_s"], "model": r}
         if dense_model is model:
             out.update(dense_tokens_per_s=r["tokens_per_s"], latency_ratio=1.0, speedup=1.0, decode_latency_ratio=1.0)
     else:
         out = latency_ratio(model, dense_model, tokenizer, new_tokens=new_tokens, warmup=warmup, repeats=repeats,
-                            mode=mode)
+                            mode=mode, compile_backend=compile_backend)
     out["mode"] = mode
     out["decode_path"] = decode_path(model)
     return out

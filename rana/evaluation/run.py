@@ -96,7 +96,8 @@ def evaluate_model(
     - `tasks`: lm-eval task names; `include_path` adds task YAMLs, `task_data` renders the
       bundled offline `*_local` tasks from that data folder.
     - `latency`: batch-1 decode speed; with `dense_model`, timed interleaved with it under the same
-      harness (`latency_mode`: "compiled" = static cache + torch.compile, "eager"; default compiled on
+      harness (`latency_mode`: "compiled" = static cache + torch.compile, "step" = gpt-fast-style compiled
+      one-token step, "eager"; default compiled on
       CUDA, eager elsewhere) and reported as a ratio, next to the measured FLOP fraction F (when
       perplexity was measured) and the memory-bound limit 1/F of the speed-up.
     """
