@@ -4,6 +4,7 @@ Llama-2-7B- and Llama-3-8B-shaped models, with and without `--offload-dir`.
     python benchmarks/bench_compress_gpu.py                        # both shapes, random weights
     python benchmarks/bench_compress_gpu.py --checkpoint DIR       # a real checkpoint folder instead
     python benchmarks/bench_compress_gpu.py --smoke                # tiny shapes, any device: checks the script
+    python benchmarks/bench_compress_gpu.py --one-layer            # one Llama-2-7B-shaped layer: seconds per layer (~1 min)
 
 Random weights are built on the GPU in the script (no download) and saved once as an ordinary
 safetensors folder with a byte-level tokenizer, so both the in-RAM and the streamed (`--offload-dir`)
@@ -12,6 +13,14 @@ in total, peak GPU memory (`torch.cuda.max_memory_allocated`), peak host memory 
 peak RSS), the measured FLOP fraction. The per-layer time is fitted against the layer's
 parameter count over the two shapes and extrapolated to Llama-2-70B (80 layers, hidden 8192,
 intermediate 28672, 8 KV heads). Writes benchmarks/results/compress_gpu.{md,json}.
+
+`--one-layer` times just the per-layer cost, in about a minute: a model of ONE decoder layer of the
+Llama-2-7B shape (its vocabulary cut to ONE_LAYER_VOCAB tokens, so the embedding and a dense head
+weigh nothing in the FLOP budget and every projection is compressed at F, as in the 32-layer model),
+compressed in RAM at the defaults with the head kept dense (its calibration is a once-per-model
+cost). Seconds per layer is compress()'s own wall time (the plan's `wall_time_s`: the layer's
+calibration, search and fit, plus the embedding lookup); 32 × that estimates the whole 7B model.
+Writes benchmarks/results/compress_gpu_layer.{md,json} (or --out STEM).
 """
 from __future__ import annotations
 
@@ -40,6 +49,8 @@ SMOKE_SHAPES = {
     "tiny-b": (64, 224, 2, 4, 2, 300),
 }
 LLAMA2_70B = (8192, 28672, 80, 64, 8, 32000)
+SMOKE_CALIB = dict(calib_tokens=1024, seq_len=64, search_tokens=128, fit_sample_tokens=128)
+ONE_LAYER_VOCAB = 512  # ≥ the byte tokenizer's 257 ids, a multiple of 64; see --one-layer above
 TARGET_MINUTES_7B, TARGET_GPU_GB_7B, TARGET_MINUTES_70B = 10, 40, 60
 
 
@@ -113,6 +124,68 @@ def fit_and_extrapolate(rows: list[dict]) -> dict | None:
             "llama2_70b_total_min": per_layer * layers / 60}
 
 
+def _targets(args, work: Path) -> list[tuple[str, Path, tuple | None]]:
+    """(name, checkpoint folder, shape to build there or None for a given checkpoint)."""
+    if args.one_layer:
+        name, shape = ("tiny-a", SMOKE_SHAPES["tiny-a"]) if args.smoke else ("llama2-7b-shape", SHAPES["llama2-7b-shape"])
+        hidden, inter, _, heads, kv, vocab = shape
+        return [(f"{name}-1-layer", work / f"{name}-1-layer", (hidden, inter, 1, heads, kv, min(vocab, ONE_LAYER_VOCAB)))]
+    return [(Path(c).name, Path(c), None) for c in args.checkpoint] or \
+           [(name, work / name, shape) for name, shape in (SMOKE_SHAPES if args.smoke else SHAPES).items()]
+
+
+def _measure(args, work: Path, device: str, dtype) -> list[dict]:
+    """Each target compressed in its own process: in RAM and streamed, or in RAM only with --one-layer."""
+    calib = SMOKE_CALIB if args.smoke else {}
+    rows = []
+    for name, folder, shape in _targets(args, work):
+        if shape is not None and not (folder / "config.json").exists():
+            t0 = time.perf_counter()
+            build_random(folder, shape, device, dtype)
+            print(f"{name}: random checkpoint built in {time.perf_counter() - t0:.0f} s", flush=True)
+        cfg = json.loads((folder / "config.json").read_text())
+        params = layer_params(cfg["hidden_size"], cfg["intermediate_size"], cfg["num_attention_heads"],
+                              cfg.get("num_key_value_heads") or cfg["num_attention_heads"])
+        for offload in (False,) if args.one_layer else (False, True):
+            config = dict(model=str(folder), flops=args.flops, dtype=args.dtype, device=device, **calib)
+            if args.one_layer:
+                config["lm_head"] = "dense"
+            if offload:
+                config["offload_dir"] = str(work / f"{name}-offload")
+            r = run_one(folder, config)
+            per = sorted(r["per_layer_s"])
+            # one layer: the first progress mark also covers loading; compress()'s own time does not
+            median = r["in_process_s"] if args.one_layer else per[len(per) // 2]
+            rows.append({"model": name, "offload_dir": offload, "layers": cfg["num_hidden_layers"],
+                         "hidden": cfg["hidden_size"], "intermediate": cfg["intermediate_size"],
+                         "kv_heads": cfg.get("num_key_value_heads"), "layer_params": params,
+                         "median_layer_s": median, **r})
+            print(json.dumps({k: v for k, v in rows[-1].items() if k != "per_layer_s"}), flush=True)
+    return rows
+
+
+def _report(rows: list[dict], fit: dict | None, meta: dict, one_layer: bool) -> str:
+    lines = ["| model | --offload-dir | layers | total (min) | median s/layer | peak GPU (GB) | peak host (GB) | measured F |",
+             "|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        lines.append(f"| {r['model']} | {'yes' if r['offload_dir'] else 'no'} | {r['layers']} | {r['wall_s'] / 60:.2f} | "
+                     f"{r['median_layer_s']:.2f} | {r['peak_gpu_bytes'] / 1e9:.1f} | {r['peak_host_bytes'] / 1e9:.1f} | "
+                     f"{r['measured_flops']:.4f} |")
+    text = ["# `rana compress` on one GPU" + (f": one layer ({rows[0]['model']})" if one_layer else ""), "", *lines, ""]
+    if one_layer:
+        per = rows[0]["median_layer_s"]
+        text.append(f"**{per:.1f} s per layer** (compress()'s own wall time for the 1-layer model, head dense, vocabulary "
+                    f"{ONE_LAYER_VOCAB}); × 32 layers ≈ {per * 32 / 60:.1f} min for the whole 7B model, a linear "
+                    f"extrapolation that leaves out loading and the head (target ≤ {TARGET_MINUTES_7B} min).")
+    if fit:
+        text.append(f"Llama-2-70B extrapolation ({fit['model']}, fitted on the in-RAM runs): "
+                    f"{fit['llama2_70b_per_layer_s']:.1f} s/layer, {fit['llama2_70b_total_min']:.0f} min for 80 layers "
+                    f"(target ≤ {TARGET_MINUTES_70B} min).")
+    text += ["", f"Targets (Llama-2-7B shape): ≤ {TARGET_MINUTES_7B} min, ≤ {TARGET_GPU_GB_7B} GB peak GPU memory.", ""]
+    text += [f"- {k}: {v}" for k, v in meta.items()]
+    return "\n".join(text) + "\n"
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--checkpoint", action="append", default=[], help="real checkpoint folder(s) instead of random shapes")
@@ -121,63 +194,33 @@ def main() -> None:
     ap.add_argument("--device", default=None, help="default: cuda (cpu with --smoke and no GPU)")
     ap.add_argument("--work", default=None, help="folder for the random checkpoints and offload dirs (default: a temp dir)")
     ap.add_argument("--smoke", action="store_true", help="tiny shapes and few tokens: exercises the script anywhere")
+    ap.add_argument("--one-layer", action="store_true",
+                    help="a 1-layer model of the Llama-2-7B shape (tiny with --smoke): seconds per layer only")
     ap.add_argument("--results", default=str(RESULTS), help="where compress_gpu.{md,json} go")
+    ap.add_argument("--out", default=None, help="output stem instead (default RESULTS/compress_gpu, "
+                                                "RESULTS/compress_gpu_layer with --one-layer)")
     args = ap.parse_args()
+    if args.one_layer and args.checkpoint:
+        ap.error("--one-layer builds its own model: no --checkpoint")
 
     import torch
 
     device = args.device or ("cuda" if torch.cuda.is_available() or not args.smoke else "cpu")
     if device.startswith("cuda") and not torch.cuda.is_available():
         raise SystemExit("no CUDA device: this benchmark measures GPU compression (use --smoke to check the script)")
-    dtype = getattr(torch, args.dtype)
     work = Path(args.work or tempfile.mkdtemp(prefix="rana-gpu-bench-"))
-    calib = dict(calib_tokens=1024, seq_len=64, search_tokens=128, fit_sample_tokens=128) if args.smoke else {}
-
-    targets = [(Path(c).name, Path(c), None) for c in args.checkpoint] or \
-              [(name, work / name, shape) for name, shape in (SMOKE_SHAPES if args.smoke else SHAPES).items()]
-    rows = []
-    for name, folder, shape in targets:
-        if shape is not None and not (folder / "config.json").exists():
-            t0 = time.perf_counter()
-            build_random(folder, shape, device, dtype)
-            print(f"{name}: random checkpoint built in {time.perf_counter() - t0:.0f} s", flush=True)
-        cfg = json.loads((folder / "config.json").read_text())
-        params = layer_params(cfg["hidden_size"], cfg["intermediate_size"], cfg["num_attention_heads"],
-                              cfg.get("num_key_value_heads") or cfg["num_attention_heads"])
-        for offload in (False, True):
-            config = dict(model=str(folder), flops=args.flops, dtype=args.dtype, device=device, **calib)
-            if offload:
-                config["offload_dir"] = str(work / f"{name}-offload")
-            r = run_one(folder, config)
-            per = sorted(r["per_layer_s"])
-            rows.append({"model": name, "offload_dir": offload, "layers": cfg["num_hidden_layers"],
-                         "hidden": cfg["hidden_size"], "intermediate": cfg["intermediate_size"],
-                         "kv_heads": cfg.get("num_key_value_heads"), "layer_params": params,
-                         "median_layer_s": per[len(per) // 2], **r})
-            print(json.dumps({k: v for k, v in rows[-1].items() if k != "per_layer_s"}), flush=True)
-    fit = fit_and_extrapolate(rows)
+    rows = _measure(args, work, device, getattr(torch, args.dtype))
+    fit = None if args.one_layer else fit_and_extrapolate(rows)
     meta = {"device": torch.cuda.get_device_name() if device.startswith("cuda") else "cpu",
             "torch": torch.__version__, "dtype": args.dtype, "flops": args.flops,
-            "calibration": "defaults (32768 tokens of the bundled corpus, seq 512)" if not args.smoke else f"smoke: {calib}",
+            "calibration": "defaults (32768 tokens of the bundled corpus, seq 512)" if not args.smoke else f"smoke: {SMOKE_CALIB}",
             "weights": "real checkpoint" if args.checkpoint else "random (built in the script)", "smoke": args.smoke}
-    out = Path(args.results)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "compress_gpu.json").write_text(json.dumps({"meta": meta, "rows": rows, "fit": fit}, indent=2) + "\n")
-    lines = ["| model | --offload-dir | layers | total (min) | median s/layer | peak GPU (GB) | peak host (GB) | measured F |",
-             "|---|---|---|---|---|---|---|---|"]
-    for r in rows:
-        lines.append(f"| {r['model']} | {'yes' if r['offload_dir'] else 'no'} | {r['layers']} | {r['wall_s'] / 60:.2f} | "
-                     f"{r['median_layer_s']:.2f} | {r['peak_gpu_bytes'] / 1e9:.1f} | {r['peak_host_bytes'] / 1e9:.1f} | "
-                     f"{r['measured_flops']:.4f} |")
-    text = ["# `rana compress` on one GPU", "", *lines, ""]
-    if fit:
-        text.append(f"Llama-2-70B extrapolation ({fit['model']}, fitted on the in-RAM runs): "
-                    f"{fit['llama2_70b_per_layer_s']:.1f} s/layer, {fit['llama2_70b_total_min']:.0f} min for 80 layers "
-                    f"(target ≤ {TARGET_MINUTES_70B} min).")
-    text += ["", f"Targets (Llama-2-7B shape): ≤ {TARGET_MINUTES_7B} min, ≤ {TARGET_GPU_GB_7B} GB peak GPU memory.", ""]
-    text += [f"- {k}: {v}" for k, v in meta.items()]
-    (out / "compress_gpu.md").write_text("\n".join(text) + "\n")
-    print("\n".join(text))
+    out = Path(args.out) if args.out else Path(args.results) / ("compress_gpu_layer" if args.one_layer else "compress_gpu")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.with_suffix(".json").write_text(json.dumps({"meta": meta, "rows": rows, "fit": fit}, indent=2) + "\n")
+    text = _report(rows, fit, meta, args.one_layer)
+    out.with_suffix(".md").write_text(text)
+    print(text)
 
 
 if __name__ == "__main__":
