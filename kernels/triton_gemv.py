@@ -39,7 +39,6 @@ exported model and imported on machines without triton.
 """
 from __future__ import annotations
 
-import functools
 import json
 import math
 import os
@@ -52,7 +51,8 @@ from .cpu_gemv import MODE_IDS
 
 __all__ = ["triton_available", "interpreting", "grouped_masked_gemv_triton", "grouped_dense_gemv_triton",
            "choose_config", "heuristic_config",
-           "MODE_IDS", "GemvConfig", "TABLE_FILE", "table_key", "sparsity_bin", "KERNEL_NAMES"]
+           "MODE_IDS", "GemvConfig", "TABLE_FILE", "table_key", "sparsity_bin", "KERNEL_NAMES", "config_table",
+           "set_config_table", "read_table"]
 
 MAX_GROUPS = 3
 TABLE_FILE = Path(__file__).with_name("gemv_configs.json")
@@ -320,16 +320,26 @@ def table_key(ks, ns, dtype: torch.dtype, sbin: int) -> str:
     return f"{_DTYPE_NAMES.get(dtype, str(dtype))}|s{int(sbin)}|K{_bucket(max(ks))}|N{_bucket(sum(ns))}|G{len(ks)}"
 
 
-@functools.lru_cache(maxsize=None)
-def _table(path: str) -> dict:
-    """{gpu name: {key: [BLOCK_N, BLOCK_K, SPLIT, warps]}}: the table inlined by an export, else the
-    file; read once per process (the first launch, eager or traced: never during a CUDA-graph replay).
+_CONFIG_TABLE: dict = {}  # "table" -> {gpu name: {key: [BLOCK_N, BLOCK_K, SPLIT, warps]}}, once loaded
+
+
+def config_table() -> dict:
+    """{gpu name: {key: [BLOCK_N, BLOCK_K, SPLIT, warps]}}: the table an export inlined, else the shipped
+    file; read once per process (at the first launch, eager or traced: never during a CUDA-graph replay).
     A missing or unreadable file is an empty table: the heuristic serves."""
-    try:
-        data = SHIPPED_TABLE if SHIPPED_TABLE is not None else json.loads(Path(path).read_text(encoding="utf-8"))
-        return {gpu: dict(entries) for gpu, entries in data.get("gpus", {}).items()}
-    except (OSError, ValueError, AttributeError, TypeError):
-        return {}
+    if "table" not in _CONFIG_TABLE:
+        set_config_table(SHIPPED_TABLE if SHIPPED_TABLE is not None else read_table(TABLE_FILE))
+    return _CONFIG_TABLE["table"]
+
+
+def set_config_table(table: dict | None) -> None:
+    """Use `table` ({"gpus": {...}} as in the file) from now on; None: read the shipped one again. Configs
+    are chosen when a launch is traced, so a compiled step keeps the table it was traced with."""
+    if table is None:
+        _CONFIG_TABLE.clear()
+        return
+    gpus = table.get("gpus", {}) if isinstance(table, dict) else {}
+    _CONFIG_TABLE["table"] = {gpu: dict(entries) for gpu, entries in gpus.items() if isinstance(entries, dict)}
 
 
 def read_table(path: Path | str = TABLE_FILE) -> dict:
@@ -346,7 +356,7 @@ def choose_config(ks, ns, dtype, mode: str, sbin: int, device) -> GemvConfig:
     its arguments: eager, traced and captured calls agree, and nothing is timed here."""
     if interpreting():
         return INTERPRETER_CONFIG
-    entry = _table(str(TABLE_FILE)).get(gpu_name(device), {}).get(table_key(ks, ns, dtype, sbin))
+    entry = config_table().get(gpu_name(device), {}).get(table_key(ks, ns, dtype, sbin))
     if entry:
         block_n, block_k, _, warps = entry
         # the table's split was tuned for its bucket's shapes: re-derive it for these exact ones from

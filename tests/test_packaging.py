@@ -18,7 +18,8 @@ def test_wheel_maps_cli_and_kernels_under_rana(tmp_path):
     assert any(n.startswith("rana/assets/") for n in names)  # bundled calibration corpus
     # the command packages, the remote-code templates every export renders, the offline lm-eval task templates
     assert {"rana/evaluation/run.py", "rana/sweep/run.py", "rana/export/run.py", "rana/export/template/modeling_rana.py",
-            "rana/export/template/configuration_rana.py", "rana/tasks/hellaswag_local.yaml"} <= set(names)
+            "rana/export/template/configuration_rana.py", "rana/tasks/hellaswag_local.yaml",
+            "rana/kernels/gemv_configs.json", "rana/kernels/gemv_tune.py"} <= set(names)  # + the GPU tuning table
     target = tmp_path / "site"
     subprocess.run([sys.executable, "-m", "pip", "install", "--no-deps", "-q", "--target", str(target), str(wheel)],
                    check=True)

@@ -11,6 +11,7 @@ functions have no PTX). No GPU needed.
 """
 from __future__ import annotations
 
+import ast
 import json
 import os
 import subprocess
@@ -138,3 +139,55 @@ def test_k_loop_streams(compiled):
 def test_negative_controls_fail_the_checks(compiled):
     assert compiled["closure_compiles"] is False and "_helper" in compiled["closure_error"]
     assert compiled["in_loop"]["barriers_in_loop"] > 0 and not compiled["in_loop"]["prefetched"]
+
+
+# ---------------------------------------------------------------------------- the shipped config table
+@pytest.fixture
+def compiled_path_configs(monkeypatch):
+    """choose_config as the compiled path on a GPU sees it (not the interpreter's fixed config), with the
+    table restored afterwards."""
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    yield
+    tg.set_config_table(None)
+
+
+def test_choose_config_takes_the_table_entry_else_the_heuristic(compiled_path_configs):
+    import torch
+
+    cpu = torch.device("cpu")  # the table's GPU key for CPU tensors is "cpu"
+    ks, ns = (4096, 4096, 4096), (4096, 1024, 1024)
+    key = tg.table_key(ks, ns, torch.bfloat16, 2)
+    tg.set_config_table({"gpus": {"cpu": {key: [32, 128, 4, 8]}}})
+    cfg = tg.choose_config(ks, ns, torch.bfloat16, "abs", 2, cpu)
+    assert (cfg.block_n, cfg.block_k, cfg.num_warps) == (32, 128, 8)
+    # the split is re-derived for the exact shapes from the programs per SM it gave the bucket
+    assert cfg.split == tg.split_for(ks, ns, 32, 128, 8, 4 * sum(-(-n // 32) for n in ns) / 8)
+    # a rank in the same size class (bucketed K) takes the same entry; another sparsity bin does not
+    assert tg.table_key((4000,) * 3, ns, torch.bfloat16, 2) == key
+    assert tg.choose_config(ks, ns, torch.bfloat16, "abs", 3, cpu) == tg.heuristic_config(ks, ns, torch.bfloat16, cpu)
+    tg.set_config_table({"gpus": {"another GPU": {key: [32, 128, 4, 8]}}})
+    assert tg.choose_config(ks, ns, torch.bfloat16, "abs", 2, cpu) == tg.heuristic_config(ks, ns, torch.bfloat16, cpu)
+
+
+def test_heuristic_fills_the_gpu_and_skips_the_split_when_outputs_do(compiled_path_configs):
+    import torch
+
+    cuda, sms = torch.device("cuda"), 132  # an H100
+    for ks, ns in (((4096,), (4096,)), ((14336,), (4096,)), ((4096,) * 3, (4096, 1024, 1024)),
+                   ((4096,) * 2, (14336, 14336)), ((4096,), (128256,))):
+        cfg = tg.heuristic_config(ks, ns, torch.bfloat16, cuda, sms=sms)
+        blocks = sum(-(-n // cfg.block_n) for n in ns)
+        assert blocks * cfg.split >= 2 * sms  # at least two programs per SM
+        assert (cfg.split == 1) == (blocks >= tg.FILLED * sms)  # no reduce launch once the outputs fill it
+
+
+def test_exports_inline_the_table():
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from rana.export.render import render_sources
+
+    config = LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=1, num_attention_heads=4,
+                         num_key_value_heads=2, vocab_size=128)
+    source = render_sources(config, LlamaForCausalLM)["triton_gemv.py"]
+    line = next(ln for ln in source.splitlines() if ln.startswith("SHIPPED_TABLE"))
+    assert ast.literal_eval(line.split("=", 1)[1].strip()) == tg.read_table()

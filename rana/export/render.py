@@ -16,7 +16,6 @@ import builtins
 import dataclasses
 import importlib
 import inspect
-import json
 import re
 import symtable
 import sys
@@ -146,8 +145,8 @@ def _inline_gemv_table(source: str) -> str:
     """The masked-GEMV kernel with its tuning table inlined (remote code ships .py files only)."""
     from ..kernels import triton_gemv
 
-    table = json.dumps(triton_gemv.read_table(), sort_keys=True)
-    return _replace_marker(source, "shipped-gemv-table", f"SHIPPED_TABLE: dict | None = {table}")
+    table = triton_gemv.read_table()  # a Python literal (JSON's true/null are not Python)
+    return _replace_marker(source, "shipped-gemv-table", f"SHIPPED_TABLE: dict | None = {table!r}")
 
 
 def render_sources(config, model_cls: type) -> dict[str, str]:
