@@ -57,6 +57,33 @@ SCRIPT = textwrap.dedent(r'''
     ptx = pt.compile_sm90(pt.regenerated_kernel(bad.reduce_in_loop), tg.torch.bfloat16,
                           {"BLOCK_N": 64, "BLOCK_K": 16}, 8).asm["ptx"]
     out["in_loop"] = pt.ptx_stats(ptx)
+    # inductor's mutation analysis (what it would clone or treat as mutated), for an sm_90 target
+    import torch, triton
+    from triton.backends.compiler import GPUTarget
+    from torch._higher_order_ops.triton_kernel_wrap import identify_accessed_tensors
+
+    class Sm90Driver:  # the only thing the analysis asks the driver
+        def get_current_target(self):
+            return GPUTarget("cuda", 90, 32)
+
+    triton.runtime.driver.set_active(Sm90Driver())
+    bf, f32 = torch.bfloat16, torch.float32
+    w, v, t = torch.empty(128, 192, dtype=bf), torch.empty(128, dtype=bf), torch.empty((), dtype=f32)
+    y, ws = torch.empty(192, dtype=bf), torch.empty(2, 192, dtype=f32)
+    sizes = dict(K0=128, K1=128, K2=128, N0=64, N1=64, N2=64, SW0=192, SW1=192, SW2=192, NB0=1, NB1=1,
+                 KC0=64, KC1=64, KC2=64, n_total=192, MODE=3, B0=True, B1=False, B2=False, BLOCK_N=64, BLOCK_K=64)
+    tensors = {f"{p}{g}": x for g in range(3) for p, x in (("w", w), ("v", v), ("t", t), ("s", v), ("b", y))}
+    def accesses(kernel, args):
+        rw = identify_accessed_tensors(kernel, args, {}).read_writes
+        return sorted(d.name for d in rw.reads), sorted(d.name for d in rw.writes)
+    out["accesses"] = {
+        "gemv_direct": accesses(tg.rana_masked_gemv, dict(tensors, out_ptr=y, ws_ptr=ws, G=3, WORKSPACE=False, **sizes)),
+        "gemv_workspace": accesses(tg.rana_masked_gemv, dict(tensors, out_ptr=y, ws_ptr=ws, G=3, WORKSPACE=True, **sizes)),
+        "reduce": accesses(tg.rana_gemv_reduce, dict(ws_ptr=ws, y_ptr=y, N=192, SPLIT=2, BLOCK=1024)),
+        "dense": accesses(tg.rana_dense_gemv, dict(w0=w.t(), v0=v, w1=w.t(), v1=v, w2=w.t(), v2=v, out_ptr=y,
+                                                   K0=128, K1=128, K2=128, N0=96, N1=96, N2=0, SW0=128, SW1=128,
+                                                   SW2=128, NB0=12, NB1=12, G=2, BLOCK_R=8, BLOCK_K=512)),
+    }
     print("RESULT " + json.dumps(out))
 ''')
 
@@ -191,3 +218,14 @@ def test_exports_inline_the_table():
     source = render_sources(config, LlamaForCausalLM)["triton_gemv.py"]
     line = next(ln for ln in source.splitlines() if ln.startswith("SHIPPED_TABLE"))
     assert ast.literal_eval(line.split("=", 1)[1].strip()) == tg.read_table()
+
+
+def test_inductor_sees_exactly_what_each_kernel_writes(compiled):
+    """Inductor's mutation analysis of each kernel (falling back, it would treat every input as written and
+    clone the weights on every step): only the output, or the workspace of a split launch, is written."""
+    acc = compiled["accesses"]
+    assert acc["gemv_direct"][1] == ["out_ptr"] and acc["gemv_workspace"][1] == ["ws_ptr"]
+    assert "out_ptr" not in acc["gemv_workspace"][1] and not {"w0", "w1", "w2"} & set(acc["gemv_direct"][1])
+    assert {"w0", "w1", "w2", "v0", "t0", "b0"} <= set(acc["gemv_direct"][0])
+    assert acc["reduce"] == (["ws_ptr"], ["y_ptr"]) or acc["reduce"] == [["ws_ptr"], ["y_ptr"]]
+    assert acc["dense"][1] == ["out_ptr"] and {"w0", "w1", "v0", "v1"} <= set(acc["dense"][0])
