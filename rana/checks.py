@@ -17,22 +17,60 @@ class InputError(ValueError):
     """An option or path that cannot work (user-facing; the message says what to do)."""
 
 
-def check_device(device: str) -> None:
-    """Refuse a device string torch does not know, or a CUDA device this machine does not have."""
+def _count(kind: str) -> int:
+    """How many `kind` devices torch reports on this machine (0 for a type it knows but lacks here)."""
     import torch
 
+    if kind == "cpu":
+        return 1
+    if kind == "mps":  # Apple GPUs show up as one device, never indexed
+        return int(torch.backends.mps.is_available())
+    module = getattr(torch, kind, None)  # torch.cuda, torch.xpu, ...; a backend torch was built without has none
+    try:
+        return int(module.device_count()) if module is not None and module.is_available() else 0
+    except Exception:  # noqa: BLE001 - a half-installed backend: count it as absent
+        return 0
+
+
+def available_devices() -> list[str]:
+    """The devices this machine can compute on, as `--device` takes them: cpu, every CUDA / XPU index,
+    mps, and whatever other accelerator torch reports."""
+    import torch
+
+    kinds = ["cuda", "xpu", "mps"]
+    other = getattr(torch, "accelerator", None)  # torch >= 2.6 names the current accelerator of any backend
+    try:
+        current = other.current_accelerator() if other is not None and other.is_available() else None
+    except Exception:  # noqa: BLE001
+        current = None
+    if current is not None and current.type not in kinds:
+        kinds.append(current.type)
+    found = ["cpu"]
+    for kind in kinds:
+        n = _count(kind)
+        found += ["mps"] * min(n, 1) if kind == "mps" else [f"{kind}:{i}" for i in range(n)]  # mps has no index
+    return found
+
+
+_LABELS = {"cuda": "CUDA", "mps": "MPS (Apple GPU)", "xpu": "XPU (Intel GPU)"}
+
+
+def check_device(device: str) -> None:
+    """Refuse a device torch does not know, or one this machine lacks (mps on Linux, an index out of
+    range): checked against what torch reports, so the message lists the devices available here."""
+    import torch
+
+    here = ", ".join(available_devices())
     try:
         dev = torch.device(device)
-    except (RuntimeError, TypeError):
-        raise InputError(f"--device '{device}' is not a device: use cpu, cuda or cuda:N") from None
-    if dev.type == "cuda":
-        count = torch.cuda.device_count() if torch.cuda.is_available() else 0
-        if count == 0:
-            raise InputError(f"--device {device}: no CUDA device is available here; use --device cpu")
-        if dev.index is not None and dev.index >= count:
-            raise InputError(f"--device {device}: this machine has {count} CUDA device(s) (cuda:0 … cuda:{count - 1})")
-    elif dev.type not in ("cpu", "mps", "xpu"):
-        raise InputError(f"--device '{device}' is not supported: use cpu or cuda[:N]")
+    except (RuntimeError, TypeError, ValueError):
+        raise InputError(f"--device '{device}' is not a device: use one available here: {here}") from None
+    count = _count(dev.type)
+    label = _LABELS.get(dev.type, dev.type)
+    if count == 0:
+        raise InputError(f"--device {device}: no {label} device is available on this machine; available here: {here}")
+    if dev.index is not None and dev.index >= count:
+        raise InputError(f"--device {device}: this machine has {count} {label} device(s); available here: {here}")
 
 
 def _nearest_existing(path: Path) -> Path:

@@ -4,11 +4,17 @@ Everything funnels through one shape: a list of documents (`load_texts`) becomes
 token stream with EOS between documents (`tokenize_stream`), which is then cut into
 non-overlapping `seq_len` windows. All window cutters drop the incomplete tail, so the
 same stream and `seq_len` always give the same windows.
+
+Reading is bounded by what is asked for, not by the size of the source: `load_texts(max_chars=…)`
+and `read_tokens(limit=…)` read text files in chunks and JSON / Parquet files and hub datasets
+through `datasets` streaming, and stop once they have enough; only an unbounded read loads all.
 """
 from __future__ import annotations
 
+import codecs
+import io
 import os
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -63,31 +69,63 @@ def load_texts(
 ) -> list[str]:
     """Read documents from the bundled corpus, a local file/folder, or a hub dataset.
 
-    `.txt`/`.raw` files are one document each (read byte-faithfully, so WikiText's
-    `wiki.test.raw` is tokenised exactly as published); `.jsonl`/`.json`/`.parquet` give
-    one document per row of `text_column`. A folder reads every supported file in it,
-    recursively, in sorted order. Anything else that is not an existing path is treated
-    as a hub dataset name, loaded with `load_dataset(source, config, split=split)`.
-    Empty documents are dropped (kept with `keep_empty`, for protocols that join rows as they
-    are); `max_chars` truncates the total text.
+    `.txt`/`.raw` files are one document each (read as `datasets`' text builder reads them: UTF-8,
+    universal newlines, so WikiText's `wiki.test.raw` is tokenised as published); `.jsonl`/`.json`/
+    `.parquet` give one document per row of `text_column`. A folder reads every supported file in
+    it, recursively, in sorted order. Anything else that is not an existing path is treated as a
+    hub dataset name, loaded with `load_dataset(source, config, split=split)`. Empty documents are
+    dropped (kept with `keep_empty`, for protocols that join rows as they are). `max_chars`
+    truncates the total text, and then only that much is read (text files in chunks, JSON /
+    Parquet files and hub datasets through `datasets` streaming).
     """
+    origin, docs = open_documents(source, config=config, split=split, text_column=text_column,
+                                  stream=max_chars is not None, keep_empty=keep_empty)
+    texts = _take_chars(docs, max_chars)
+    if not any(t.strip() for t in texts):
+        raise DataError(f"no text found in {origin} (column {text_column!r}); pass a source with non-empty text")
+    return texts
+
+
+def open_documents(source: str | Path | None, *, config: str | None = None, split: str = "train",
+                   text_column: str = "text", stream: bool = True, keep_empty: bool = False):
+    """(origin, documents): the name messages give the source, and an iterator over the documents
+    `load_texts` keeps, read lazily: a text file is a `TextFile`, a row a `str`. A missing path or an
+    unsupported file fails here; a bad file or hub failure when its documents are reached."""
     if source is None:
         source = BUNDLED_CORPUS
     path = Path(os.path.expanduser(str(source)))
     if path.exists():
-        texts = _load_local(path, text_column)
-        origin = str(path)
+        origin, docs = str(path), _local_documents(path, text_column, stream)
     elif _looks_local(str(source)):
         raise DataError(f"data file not found: {source}; pass an existing .txt/.raw/.jsonl/.json/.parquet file or folder")
     else:
-        texts = _load_hub(str(source), config, split, text_column)
         origin = f"hub dataset {source!r}" + (f" ({config}, split {split})" if config else f" (split {split})")
-    texts = [t for t in texts if isinstance(t, str) and (keep_empty or t.strip())]
-    if max_chars is not None:
-        texts = _truncate_chars(texts, max_chars)
-    if not any(t.strip() for t in texts):
-        raise DataError(f"no text found in {origin} (column {text_column!r}); pass a source with non-empty text")
-    return texts
+        docs = _hub_documents(str(source), config, split, text_column, stream)
+    return origin, _kept(docs, keep_empty)
+
+
+def _kept(docs: Iterable, keep_empty: bool) -> Iterator:
+    """Strings (a null row is no document) and text files, the blank ones only with `keep_empty`."""
+    for doc in docs:
+        if isinstance(doc, TextFile):
+            if keep_empty or not doc.blank():
+                yield doc
+        elif isinstance(doc, str) and (keep_empty or doc.strip()):
+            yield doc
+
+
+def _take_chars(docs: Iterable, max_chars: int | None) -> list[str]:
+    """Whole documents until `max_chars`, the last one cut to fit; nothing after it is read."""
+    if max_chars is None:
+        return [doc.text() if isinstance(doc, TextFile) else doc for doc in docs]
+    out: list[str] = []
+    left = max_chars
+    for doc in docs:
+        if left <= 0:
+            break
+        out.append(doc.prefix(left) if isinstance(doc, TextFile) else doc[:left])
+        left -= len(out[-1])
+    return out
 
 
 def check_source(source: str | Path | None, option: str = "--dataset") -> None:
@@ -131,20 +169,57 @@ def _data_files(path: Path) -> dict[str, list[str]]:
     return groups
 
 
-def _load_local(path: Path, text_column: str) -> list[str]:
-    """Read local files through HF `datasets` packaged builders (text/json/parquet).
+def _local_documents(path: Path, text_column: str, stream: bool) -> Iterator:
+    """The documents of a local file or folder (`_data_files` runs at once, so an unsupported file
+    fails before anything is read): text files as lazily read `TextFile`s; JSON / Parquet rows
+    through `datasets`, file by file and streamed when only a prefix is wanted."""
+    groups = _data_files(path)
 
-    Text files are checked to be UTF-8 first (the builder would fail deep inside with no file
-    name); any other failure to read names the file that caused it."""
-    texts: list[str] = []
-    for builder, files in _data_files(path).items():
-        if builder == "text":
-            for f in files:
-                check_utf8_text(Path(f))
-        ds = _read_files(builder, files)
-        column = "text" if builder == "text" else text_column
-        texts.extend(_column(ds, column, f"{path} ({builder} files)"))
-    return texts
+    def documents():
+        for builder, files in groups.items():
+            origin = f"{path} ({builder} files)"
+            if builder == "text":
+                yield from (TextFile(Path(f)) for f in files)
+            elif stream:
+                for f in files:
+                    yield from _streamed_rows(builder, f, text_column, origin)
+            else:
+                yield from _column(_read_files(builder, files), text_column, origin)
+    return documents()
+
+
+class TextFile:
+    """A UTF-8 text file read in chunks only as far as it is asked for: the text
+    `open(path, encoding="utf-8").read()` gives (universal newlines, as `datasets`' text builder reads
+    it), with `check_utf8_text`'s errors for the part read."""
+
+    def __init__(self, path: Path, chunk: int = 1 << 16):
+        self.path, self.chunk = path, chunk
+        self._bytes = Utf8Reader(path)
+        self._newlines = io.IncrementalNewlineDecoder(None, translate=True)
+        self._text, self.complete = "", False
+
+    def prefix(self, n: int) -> str:
+        """The first `n` characters (fewer: the whole file)."""
+        while len(self._text) < n and not self.complete:
+            self._read(max(self.chunk, n - len(self._text)))
+        return self._text[:n]
+
+    def text(self) -> str:
+        while not self.complete:
+            self._read(max(self.chunk, len(self._text)))  # doubling: few reads for a big file
+        return self._text
+
+    def blank(self) -> bool:
+        """Only whitespace (read until the first other character)."""
+        while not self._text.strip() and not self.complete:
+            self._read(self.chunk)
+        return not self._text.strip()
+
+    def _read(self, size: int) -> None:
+        piece = self._bytes.read(size)
+        self.complete = piece is None
+        self._text += self._newlines.decode(piece or "", final=self.complete)
 
 
 _FORMAT_HINT = {"text": "a UTF-8 text file", "json": "JSON Lines: one JSON object per line, each with the text column",
@@ -167,8 +242,45 @@ def _read_files(builder: str, files: list[str]):
                     except Exception:  # noqa: BLE001
                         culprit = f
                         break
-            raise DataError(f"could not read '{culprit}' as {_FORMAT_HINT[builder]}: {root_cause(exc)}; fix or "
-                            "remove the file") from None
+            raise _unreadable(builder, culprit, exc) from None
+
+
+def _unreadable(builder: str, culprit: str, exc: BaseException) -> DataError:
+    return DataError(f"could not read '{culprit}' as {_FORMAT_HINT[builder]}: {root_cause(exc)}; fix or remove the file")
+
+
+def _streamed_rows(builder: str, file: str, column: str, origin: str) -> Iterator:
+    """The `column` values of one JSON / Parquet file, read by `datasets` streaming (no cache, no
+    whole-file table); a read error names the file."""
+    import datasets
+
+    with _quiet_datasets():
+        try:
+            ds = datasets.load_dataset(builder, data_files=[file], split="train", streaming=True)
+        except Exception as exc:  # noqa: BLE001 - datasets/pyarrow raise many unrelated types for a bad file
+            raise _unreadable(builder, file, exc) from None
+    return _stream_column(ds, column, origin, lambda exc: _unreadable(builder, file, exc))
+
+
+def _stream_column(ds, column: str, origin: str, failure: Callable[[BaseException], DataError],
+                   batch: int = 256) -> Iterator:
+    """One column of a streamed dataset, `batch` rows per read; `failure(exc)` is the DataError a read
+    error becomes. The column is checked as soon as the columns are known (for JSON: its first rows)."""
+    names = ds.column_names
+    if names is not None and column not in names:
+        raise _no_column(column, origin, names)
+    rows = iter(ds.iter(batch_size=batch))
+    while True:
+        with _quiet_datasets():  # datasets logs a bad JSON file itself; the DataError says it once
+            try:
+                block = next(rows, None)
+            except Exception as exc:  # noqa: BLE001 - a bad row deep in the file, or a dropped connection
+                raise failure(exc) from None
+        if block is None:
+            return
+        if column not in block:
+            raise _no_column(column, origin, list(block))
+        yield from block[column]
 
 
 @contextmanager
@@ -199,62 +311,76 @@ def root_cause(exc: BaseException) -> str:
 
 def check_utf8_text(path: Path, chunk: int = 1 << 20) -> None:
     """Refuse a file that is not UTF-8 text (binary data, another encoding), naming the byte offset."""
-    import codecs
-
-    decoder = codecs.getincrementaldecoder("utf-8")()
-    offset = 0
-    with open(path, "rb") as fh:
-        while True:
-            block = fh.read(chunk)
-            pending = len(decoder.getstate()[0])  # bytes of a character split across reads
-            try:
-                text = decoder.decode(block, final=not block)
-            except UnicodeDecodeError as e:
-                raise DataError(f"'{path}' is not UTF-8 text (byte {offset - pending + e.start} "
-                                "cannot be decoded): convert it to UTF-8 (e.g. `iconv -f latin1 -t utf-8`) or pass "
-                                "another file") from None
-            if "\x00" in text:
-                raise DataError(f"'{path}' looks binary (it contains NUL bytes), not text: pass a .txt/.jsonl/"
-                                ".parquet file of text")
-            if not block:
-                return
-            offset += len(block)
+    reader = Utf8Reader(path)
+    while reader.read(chunk) is not None:
+        pass
 
 
-def _load_hub(name: str, config: str | None, split: str, text_column: str) -> list[str]:
-    """Load one split of a hub dataset; wrap hub/offline failures in a `DataError`."""
+class Utf8Reader:
+    """Decoded text of a file, as many bytes per `read` as asked (None at the end); the first byte
+    that is not UTF-8, or a NUL, is a one-line DataError naming the file and the offset. The file is
+    opened per read, so a reader dropped half-way (its budget met) holds no file open."""
+
+    def __init__(self, path: Path):
+        self.path, self.offset = path, 0
+        self._decoder = codecs.getincrementaldecoder("utf-8")()
+
+    def read(self, size: int) -> str | None:
+        with open(self.path, "rb") as fh:
+            fh.seek(self.offset)
+            block = fh.read(size)
+        pending = len(self._decoder.getstate()[0])  # bytes of a character split across reads
+        try:
+            text = self._decoder.decode(block, final=not block)
+        except UnicodeDecodeError as e:
+            raise DataError(f"'{self.path}' is not UTF-8 text (byte {self.offset - pending + e.start} "
+                            "cannot be decoded): convert it to UTF-8 (e.g. `iconv -f latin1 -t utf-8`) or pass "
+                            "another file") from None
+        if "\x00" in text:
+            raise DataError(f"'{self.path}' looks binary (it contains NUL bytes), not text: pass a .txt/.jsonl/"
+                            ".parquet file of text")
+        self.offset += len(block)
+        return text if block else None
+
+
+def _hub_documents(name: str, config: str | None, split: str, text_column: str, stream: bool) -> Iterator:
+    """The rows of one split of a hub dataset: streamed when only a prefix is wanted (nothing beyond
+    it is downloaded), else (or where streaming fails, e.g. offline with only the prepared dataset
+    cached) loaded whole; a failure becomes a `DataError`."""
     import datasets
 
-    try:
-        ds = datasets.load_dataset(name, config, split=split)
-    except Exception as exc:  # noqa: BLE001 - datasets raises many unrelated types
+    def failure(exc: BaseException) -> DataError:
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-        raise DataError(
-            f"could not load hub dataset {name!r} (config={config!r}, split={split!r}): {first}; "
-            "check the name/config/split and network access, or pass a local file"
-        ) from exc
-    return _column(ds, text_column, f"hub dataset {name!r}")
+        return DataError(f"could not load hub dataset {name!r} (config={config!r}, split={split!r}): {first}; "
+                         "check the name/config/split and network access, or pass a local file")
+
+    def documents():
+        ds = None
+        if stream:
+            try:
+                ds = datasets.load_dataset(name, config, split=split, streaming=True)
+            except Exception:  # noqa: BLE001 - not streamable here: the full load below says why if it fails too
+                ds = None
+        if ds is not None:
+            yield from _stream_column(ds, text_column, f"hub dataset {name!r}", failure)
+            return
+        try:
+            ds = datasets.load_dataset(name, config, split=split)
+        except Exception as exc:  # noqa: BLE001 - datasets raises many unrelated types
+            raise failure(exc) from exc
+        yield from _column(ds, text_column, f"hub dataset {name!r}")
+    return documents()
+
+
+def _no_column(column: str, origin: str, names) -> DataError:
+    return DataError(f"column {column!r} not in {origin} (columns: {', '.join(names)}); pass text_column=<one of them>")
 
 
 def _column(ds, column: str, origin: str) -> list[str]:
     """Return one column as a list, with a helpful error if it does not exist."""
     if column not in ds.column_names:
-        raise DataError(
-            f"column {column!r} not in {origin} (columns: {', '.join(ds.column_names)}); pass text_column=<one of them>"
-        )
+        raise _no_column(column, origin, ds.column_names)
     return list(ds[column])
-
-
-def _truncate_chars(texts: Sequence[str], max_chars: int) -> list[str]:
-    """Keep whole documents until `max_chars`, cutting the last one to fit."""
-    out: list[str] = []
-    left = max_chars
-    for t in texts:
-        if left <= 0:
-            break
-        out.append(t[:left])
-        left -= len(out[-1])
-    return out
 
 
 # --------------------------------------------------------------------------- tokenising
@@ -283,17 +409,99 @@ def tokenize_stream(texts: Iterable[str], tokenizer, *, add_eos: bool = True) ->
     return torch.cat(pieces)
 
 
-def load_token_ids(path: Path, vocab_size: int | None) -> torch.Tensor:
-    """Pre-tokenised data: a 1-D int64 stream from a `.npy` array or a tensor saved with `torch.save`,
-    checked against the model's vocabulary."""
-    try:
-        if path.suffix == ".npy":
-            import numpy as np  # not a declared dependency: only .npy token files need it
+# a document cut to a prefix is tokenised with this many tokens to spare: cutting a text changes
+# only the tokens next to the cut (pre-tokenisers split at word boundaries), so the kept ones are
+# those the whole document gives
+_CUT_MARGIN = 256
+_BATCH_CHARS = 1 << 16  # short documents are tokenised together, in calls of about this many characters
 
-            ids = torch.from_numpy(np.load(path)).long()
+
+def read_tokens(source: str | Path | None, tokenizer, *, limit: int | None, config: str | None = None,
+                split: str = "train", text_column: str = "text") -> torch.Tensor:
+    """The first `limit` tokens of `tokenize_stream(load_texts(source, …), tokenizer)` (all of them
+    when the source has fewer), reading and tokenising the source only as far as that takes."""
+    if limit is None:
+        return tokenize_stream(load_texts(source, config=config, split=split, text_column=text_column), tokenizer)
+    origin, docs = open_documents(source, config=config, split=split, text_column=text_column)
+    stream = _TokenStream(tokenizer, limit)
+    batch: list[str] = []
+    for doc in docs:
+        if isinstance(doc, str) and len(doc) <= _BATCH_CHARS:
+            batch.append(doc)
+            if sum(map(len, batch)) >= _BATCH_CHARS:
+                stream.add_batch(batch)
+                batch = []
         else:
-            obj = torch.load(path, map_location="cpu", weights_only=True)
-            ids = torch.as_tensor(obj).long()
+            stream.add_batch(batch)
+            batch = []
+            if not stream.full:
+                stream.add(_prefix_ids(doc, tokenizer, stream.left))
+        if stream.full:
+            break
+    stream.add_batch(batch)
+    if not stream.pieces:
+        raise DataError(f"no text found in {origin} (column {text_column!r}); pass a source with non-empty text")
+    return stream.tensor()
+
+
+class _TokenStream:
+    """Documents' token ids joined as `tokenize_stream` joins them (EOS between documents), up to `limit`."""
+
+    def __init__(self, tokenizer, limit: int):
+        self.tokenizer, self.limit = tokenizer, limit
+        self.pieces: list[torch.Tensor] = []
+        self.count = 0
+
+    @property
+    def full(self) -> bool:
+        return self.count >= self.limit
+
+    @property
+    def left(self) -> int:
+        """Tokens still wanted from the next document (after its separator)."""
+        return max(0, self.limit - self.count - (1 if self.pieces else 0))
+
+    def add_batch(self, texts: list[str]) -> None:
+        for ids in (self.tokenizer(texts, add_special_tokens=False, verbose=False)["input_ids"] if texts else []):
+            if self.full:
+                return
+            self.add(ids)
+
+    def add(self, ids) -> None:
+        if self.pieces:  # EOS separates documents
+            eos = self.tokenizer.eos_token_id
+            if eos is None:
+                raise DataError("tokenizer has no eos_token_id to separate documents; set one or pass add_eos=False")
+            self.pieces.append(torch.tensor([eos], dtype=torch.long))
+            self.count += 1
+        self.pieces.append(torch.as_tensor(ids, dtype=torch.long))
+        self.count += len(ids)
+
+    def tensor(self) -> torch.Tensor:
+        return torch.cat(self.pieces)[: self.limit]
+
+
+def _prefix_ids(doc, tokenizer, need: int) -> list[int]:
+    """The token ids of `doc` (a `TextFile` or a long string), or at least its first `need`: a prefix
+    is tokenised, grown until it gives `need` + `_CUT_MARGIN` tokens or is the whole document."""
+    chars = need + _CUT_MARGIN  # byte-level tokenizers: about one token per character
+    while True:
+        text = doc.prefix(chars) if isinstance(doc, TextFile) else doc[:chars]
+        ids = tokenizer(text, add_special_tokens=False, verbose=False)["input_ids"]
+        if len(text) < chars:  # the whole document
+            return ids
+        if len(ids) >= need + _CUT_MARGIN:
+            return ids[:need]
+        # grow to the estimated length (characters per token so far), at least doubling
+        chars = max(2 * chars, int(chars * (need + _CUT_MARGIN) / max(len(ids), 1) * 1.2))
+
+
+def load_token_ids(path: Path, vocab_size: int | None, limit: int | None = None) -> torch.Tensor:
+    """Pre-tokenised data: a 1-D int64 stream from a `.npy` array or a tensor saved with `torch.save`,
+    checked against the model's vocabulary; with `limit`, its first `limit` ids, read through a memory
+    map where the file allows one (only those ids are read from disk and checked)."""
+    try:
+        ids = _token_file(path, limit)
     except Exception as e:  # noqa: BLE001 - numpy/torch/pickle raise many types for a damaged file
         kind = "a NumPy array" if path.suffix == ".npy" else "a tensor saved with torch.save"
         raise DataError(f"could not read token ids from '{path}' ({root_cause(e)}): it must hold {kind} of "
@@ -306,6 +514,20 @@ def load_token_ids(path: Path, vocab_size: int | None) -> torch.Tensor:
         raise DataError(f"token ids in {path} must lie in [0, {vocab_size}) for this model's vocabulary, "
                         f"found [{int(ids.min())}, {int(ids.max())}]")
     return ids
+
+
+def _token_file(path: Path, limit: int | None) -> torch.Tensor:
+    """The ids of a .npy / torch.save file, flattened, its first `limit` copied out of a memory map."""
+    if path.suffix == ".npy":
+        import numpy as np  # not a declared dependency: only .npy token files need it
+
+        array = np.load(path, mmap_mode="r" if limit is not None else None)
+        return torch.from_numpy(np.array(array.reshape(-1)[:limit])).long()
+    try:
+        obj = torch.load(path, map_location="cpu", weights_only=True, mmap=limit is not None)
+    except RuntimeError:  # an old (non-zip) file cannot be memory-mapped: read it whole
+        obj = torch.load(path, map_location="cpu", weights_only=True)
+    return torch.as_tensor(obj).reshape(-1)[:limit].clone().long()
 
 
 # --------------------------------------------------------------------------- windows

@@ -287,17 +287,41 @@ def text_rows(source: str | Path, *, text_column: str = "text") -> list[str]:
     """The rows the `gptq` / `teal` protocols join: a .txt/.raw file's lines split as the hub
     `wikitext` dataset splits `wiki.*.raw` (each line keeps its newline, whitespace-only lines
     become empty rows); the records of a .jsonl/.json/.parquet file or hub dataset, empty ones kept."""
+    return _rows_read(source, text_column, None)[0]
+
+
+def _rows_read(source: str | Path, text_column: str, max_chars: int | None) -> tuple[list[str], bool]:
+    """(rows, whole): `text_rows` of the first `max_chars` characters only (whole: the source ended
+    first; else the last row may be cut)."""
     name, config, split = _parse_source(str(source))
     path = Path(os.path.expanduser(name))
     if path.is_dir():
         raise DataError(f"{source} is a folder: the gptq and teal perplexity protocols join the rows of one file or "
                         "hub dataset; pass a file (e.g. wiki.test.raw)")
-    if path.is_file():
-        rows = load_texts(path, text_column=text_column, keep_empty=True)
-        if path.suffix.lower() in (".txt", ".raw"):
-            rows = [line if line.strip() else "" for doc in rows for line in _LINE.findall(doc)]
-        return rows
-    return load_texts(name, config=config, split=split, text_column=text_column, keep_empty=True)
+    read = path if path.is_file() else name
+    rows = load_texts(read, config=None if path.is_file() else config, split=split, text_column=text_column,
+                      keep_empty=True, max_chars=max_chars)
+    whole = max_chars is None or sum(map(len, rows)) < max_chars
+    if path.is_file() and path.suffix.lower() in (".txt", ".raw"):
+        rows = [line if line.strip() else "" for doc in rows for line in _LINE.findall(doc)]
+    return rows, whole
+
+
+def _joined_prefix(source: str | Path, protocol: PplProtocol, chars: int, text_column: str) -> str:
+    """The joined text, or (when longer) at least its first `chars` characters: rows are read until
+    complete rows cover them (a cut last row is left out, so what is returned is a prefix of the
+    whole joined text)."""
+    read = 2 * chars
+    while True:
+        try:
+            rows, whole = _rows_read(source, text_column, read)
+        except DataError:  # only blank rows so far (or a bad file): read it all, failing as before if it fails
+            rows, whole = _rows_read(source, text_column, None)
+        done = rows if whole else rows[:-1]
+        text = joined_text(done, protocol) if done else ""  # no complete row yet: no prefix either
+        if whole or len(text) >= chars:
+            return text
+        read *= 2
 
 
 def joined_text(rows: Sequence[str], protocol: PplProtocol) -> str:
@@ -313,16 +337,17 @@ def protocol_tokens(source: str | Path, tokenizer, protocol: PplProtocol, *, max
     tokens. Truncated to the first `max_tokens` tokens when given."""
     if protocol.separator is None:
         return eval_tokens(source, tokenizer, max_tokens=max_tokens, text_column=text_column)
-    text = joined_text(text_rows(source, text_column=text_column), protocol)
 
     def encode(t: str) -> torch.Tensor:
         return torch.as_tensor(tokenizer(t, verbose=False)["input_ids"], dtype=torch.long)
 
     if max_tokens is None:
-        return encode(text)
-    tokens = encode(text[: 16 * max_tokens + 1024])  # ~16 characters per token is generous for any tokenizer
+        return encode(joined_text(text_rows(source, text_column=text_column), protocol))
+    cap = 16 * max_tokens + 1024  # ~16 characters per token is generous for any tokenizer
+    text = _joined_prefix(source, protocol, cap, text_column)  # read only as far as the cap
+    tokens = encode(text[:cap])
     if tokens.numel() < max_tokens:
-        tokens = encode(text)
+        tokens = encode(joined_text(text_rows(source, text_column=text_column), protocol))
     return tokens[:max_tokens]
 
 
