@@ -450,7 +450,7 @@ def _set(meta, **kw):
     (lambda m: _set(m, type="magic") or m, "unknown type"),
     (lambda m: _set(m, out="abc") or m, "positive integer"),
     (lambda m: _set(m, path="model.layers.9.mlp.up_proj") or m, "does not fit the model"),
-    (lambda m: _set(m, out=7) or m, "do not match"),
+    (lambda m: _set(m, out=7) or m, "its 'out' is 7, the model's Linear has"),  # checked before the weights
     (lambda m: m.update(dtype="float8") or m, "dtype"),
     (lambda m: m.update(format_version=99) or m, "newer"),
 ])

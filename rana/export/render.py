@@ -42,6 +42,7 @@ SHIPPED_MODULES: dict[str, str] = {
     "rana.modules.neuron_linear": "neuron_linear",
     "rana.modules.cats": "cats",
     "rana.modules.rotation": "rotation",
+    "rana.modules.registry": "registry",  # the adapter kinds install_empty_adapters rebuilds
     "rana.modules.groups": "groups",
     "rana.modules.laurel": "laurel",
 }

@@ -18,8 +18,7 @@ import torch
 import torch.nn as nn
 
 from ..archs import set_submodule
-from ..modules import (CatsActivation, InputSparseHead, InputSparseLinear, NeuronThresholdLinear, RankAdapterLinear,
-                       RankSliceLinear, RotatedInput, SharedRankCode, SparseLowRankLinear)
+from ..modules.registry import ADAPTER_KINDS, adapter_class, build_adapter, build_order
 
 FORMAT_VERSION = 1
 WEIGHTS = "model.safetensors"
@@ -104,78 +103,34 @@ def threshold_from_json(t) -> float:
 
 def adapter_specs(model: nn.Module, *, outside: str | None = None) -> list[dict]:
     """A JSON description of every adapter module, enough to rebuild empty ones (plus, when known, the
-    expected active fraction that picks the decode kernels' sparsity bin). `outside`: only the adapters
+    expected active fraction that picks the decode kernels' sparsity bin). Each class writes its own
+    fields (`rana.modules.registry`, the table the loader reads with). `outside`: only the adapters
     not under that module path (a streamed model's layers are on the meta device; their specs were
     written layer by layer)."""
-    f = threshold_to_json
     specs = []
     for name, m in model.named_modules():
         if outside is not None and (name == outside or name.startswith(outside + ".")):
             continue
-        if isinstance(m, RankAdapterLinear):
-            specs.append({"path": name, "type": "rank", "in": m.in_features, "out": m.out_features, "rank": m.rank,
-                          "bias": m.A.bias is not None, "threshold": f(float(m.threshold))})
-        elif isinstance(m, SharedRankCode):
-            specs.append({"path": name, "type": "shared_code", "in": m.in_features, "out": m.out_features,
-                          "rank": m.rank, "consumers": m.consumers, "threshold": f(float(m.threshold))})
-        elif isinstance(m, RankSliceLinear):
-            code_name = next(n for n, c in model.named_modules() if c is m._code())
-            specs.append({"path": name, "type": "rank_slice", "out": m.out_features, "rank": m.A.in_features,
-                          "bias": m.A.bias is not None, "code": code_name})
-        elif isinstance(m, NeuronThresholdLinear):
-            specs.append({"path": name, "type": "neuron", "in": m.in_features, "out": m.out_features,
-                          "bias": m.linear.bias is not None, "threshold": f(float(m.threshold))})
-        elif isinstance(m, SparseLowRankLinear):
-            specs.append({"path": name, "type": "sparse_lowrank", "in": m.in_features, "out": m.out_features,
-                          "rank": m.rank, "bias": m.linear.bias is not None, "threshold": f(float(m.threshold))})
-        elif isinstance(m, InputSparseHead):
-            # tied: the weight is the input embedding's, stored once under the embedding's key
-            specs.append({"path": name, "type": "input_sparse_head", "in": m.in_features, "out": m.out_features,
-                          "bias": m.bias is not None, "threshold": f(float(m.threshold)),
-                          "tied": m.weight is getattr(model.get_input_embeddings(), "weight", None)})
-        elif isinstance(m, InputSparseLinear):
-            specs.append({"path": name, "type": "input_sparse", "in": m.in_features, "out": m.out_features,
-                          "bias": m.linear.bias is not None, "threshold": f(float(m.threshold))})
-        elif isinstance(m, CatsActivation):
-            specs.append({"path": name, "type": "cats", "hidden": m.hidden, "intermediate": m.intermediate,
-                          "threshold": f(float(m.threshold))})
-        elif isinstance(m, RotatedInput):  # no threshold: a rotation of the wrapped norm's output
-            specs.append({"path": name, "type": "rotated_input", "in": m.features, "block": m.block})
-        if getattr(m, "active_fraction", None) is not None and specs and specs[-1]["path"] == name:
-            specs[-1]["active_fraction"] = m.active_fraction  # the decode kernels' sparsity bin (optional key)
+        cls = adapter_class(m)
+        if cls is None:
+            continue
+        spec = {"path": name, "type": cls.spec_type, **cls.to_spec(m, model)}
+        if "threshold" in spec:
+            spec["threshold"] = threshold_to_json(spec["threshold"])
+        if getattr(m, "active_fraction", None) is not None:
+            spec["active_fraction"] = m.active_fraction  # the decode kernels' sparsity bin (optional key)
+        specs.append(spec)
     return specs
 
 
 def install_empty_adapters(model: nn.Module, specs: list[dict], dtype: torch.dtype) -> None:
-    """Swap in adapters of the recorded shapes (weights to be loaded afterwards)."""
-    z = lambda *shape: torch.zeros(*shape, dtype=dtype)  # noqa: E731
-    codes = {}
-    for s in sorted(specs, key=lambda s: s["type"] != "shared_code"):  # codes before their slices
-        t = s.get("threshold")
-        t = -math.inf if t is None else float(t)
-        if s["type"] == "rank":
-            m = RankAdapterLinear(z(s["out"], s["rank"]), z(s["rank"], s["in"]), z(s["out"]) if s["bias"] else None, t)
-        elif s["type"] == "shared_code":
-            m = codes[s["path"]] = SharedRankCode(z(s["rank"], s["in"]), t, s["out"], s["consumers"])
-        elif s["type"] == "rank_slice":
-            m = RankSliceLinear(z(s["out"], s["rank"]), z(s["out"]) if s["bias"] else None, codes[s["code"]])
-        elif s["type"] == "neuron":
-            m = NeuronThresholdLinear(z(s["out"], s["in"]), z(s["out"]) if s["bias"] else None, t)
-        elif s["type"] == "sparse_lowrank":
-            m = SparseLowRankLinear(z(s["out"], s["in"]), z(s["out"]) if s["bias"] else None, t,
-                                    z(s["out"], s["rank"]), z(s["rank"], s["in"]))
-        elif s["type"] == "input_sparse":
-            m = InputSparseLinear(z(s["out"], s["in"]), z(s["out"]) if s["bias"] else None, t)
-        elif s["type"] == "input_sparse_head":  # a tied weight is the embedding's again after tie_weights()
-            m = InputSparseHead(z(s["out"], s["in"]), z(s["out"]) if s["bias"] else None, t)
-        elif s["type"] == "cats":
-            m = CatsActivation(model.get_submodule(s["path"]), t, s["hidden"], s["intermediate"])
-        elif s["type"] == "rotated_input":
-            m = RotatedInput(model.get_submodule(s["path"]), z(s["in"], s["in"]), s.get("block", "attention"))
-        else:
+    """Swap in adapters of the recorded shapes (weights to be loaded afterwards), each rebuilt by
+    its registered class (`rana.modules.registry`; exports ship this function and that table)."""
+    built = {}
+    for s in build_order(specs):  # codes before the slices that name them
+        if s["type"] not in ADAPTER_KINDS:
             raise ValueError(f"unknown adapter type '{s['type']}' in {RANA_CONFIG}")
-        if s.get("active_fraction") is not None and hasattr(m, "set_active_fraction"):  # absent in older folders
-            m.set_active_fraction(float(s["active_fraction"]))
+        built[s["path"]] = m = build_adapter(model, s, dtype, built)
         set_submodule(model, s["path"], m)
 
 

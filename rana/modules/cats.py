@@ -14,6 +14,16 @@ class CatsActivation(MacMeter, nn.Module):
     never needed: this module meters `(hidden + hidden)·E[k]` MACs for up and down together.
     """
 
+    spec_type = "cats"  # wraps the activation module found at its path
+    spec_fields = {"hidden": "size", "intermediate": "size", "threshold": "threshold"}
+
+    def to_spec(self, root: nn.Module) -> dict:
+        return {"hidden": self.hidden, "intermediate": self.intermediate, "threshold": float(self.threshold)}
+
+    @classmethod
+    def from_spec(cls, s: dict, threshold: float, model: nn.Module, **_) -> "CatsActivation":
+        return cls(model.get_submodule(s["path"]), threshold, s["hidden"], s["intermediate"])
+
     def __init__(self, act: nn.Module, threshold: float, hidden: int, intermediate: int):
         super().__init__()
         self.act = act

@@ -12,6 +12,17 @@ from .common import MacMeter, column_major_linear, decode_linear
 class NeuronThresholdLinear(MacMeter, nn.Module):
     """`W (m ⊙ h)` with `m_i = 1{|h_i|·‖W[:, i]‖ ≥ t}` (RaNA's down projection, Eq. 12)."""
 
+    spec_type = "neuron"
+    spec_fields = {"in": "size", "out": "size", "bias": "flag", "threshold": "threshold"}
+
+    def to_spec(self, root: nn.Module) -> dict:
+        return {"in": self.in_features, "out": self.out_features, "bias": self.linear.bias is not None,
+                "threshold": float(self.threshold)}
+
+    @classmethod
+    def from_spec(cls, s: dict, zeros, threshold: float, **_) -> "NeuronThresholdLinear":
+        return cls(zeros(s["out"], s["in"]), zeros(s["out"]) if s["bias"] else None, threshold)
+
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, threshold: float):
         super().__init__()
         self.linear = column_major_linear(weight, bias)
@@ -60,6 +71,17 @@ class NeuronThresholdLinear(MacMeter, nn.Module):
 class InputSparseLinear(MacMeter, nn.Module):
     """`W (m ⊙ x)` with `m_j = 1{|x_j| ≥ t}`: TEAL's training-free magnitude sparsity."""
 
+    spec_type = "input_sparse"
+    spec_fields = {"in": "size", "out": "size", "bias": "flag", "threshold": "threshold"}
+
+    def to_spec(self, root: nn.Module) -> dict:
+        return {"in": self.in_features, "out": self.out_features, "bias": self.linear.bias is not None,
+                "threshold": float(self.threshold)}
+
+    @classmethod
+    def from_spec(cls, s: dict, zeros, threshold: float, **_) -> "InputSparseLinear":
+        return cls(zeros(s["out"], s["in"]), zeros(s["out"]) if s["bias"] else None, threshold)
+
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, threshold: float):
         super().__init__()
         self.linear = column_major_linear(weight, bias)
@@ -106,6 +128,19 @@ class SparseLowRankLinear(MacMeter, nn.Module):
     `r·(i + o)` is paid on every token (B is applied to the whole complement, not gathered).
     """
 
+    spec_type = "sparse_lowrank"
+    # rank: the side path's (0 would be plain magnitude sparsity; counted, not refused)
+    spec_fields = {"in": "size", "out": "size", "rank": "count", "bias": "flag", "threshold": "threshold"}
+
+    def to_spec(self, root: nn.Module) -> dict:
+        return {"in": self.in_features, "out": self.out_features, "rank": self.rank,
+                "bias": self.linear.bias is not None, "threshold": float(self.threshold)}
+
+    @classmethod
+    def from_spec(cls, s: dict, zeros, threshold: float, **_) -> "SparseLowRankLinear":
+        return cls(zeros(s["out"], s["in"]), zeros(s["out"]) if s["bias"] else None, threshold,
+                   zeros(s["out"], s["rank"]), zeros(s["rank"], s["in"]))
+
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, threshold: float,
                  A: torch.Tensor, B: torch.Tensor):
         super().__init__()
@@ -148,6 +183,22 @@ class InputSparseHead(MacMeter, nn.Module):
     contiguous row of `weight.t()` per inactive input. A row-major (tied) head decodes with the
     masked dense product instead: the same FLOPs counted, no kernel.
     """
+
+    spec_type = "input_sparse_head"
+    # "head_threshold": +inf would mask every input (each logit its bias); `tied`: the weight is the
+    # input embedding's, stored once under the embedding's key (absent from older folders)
+    spec_fields = {"in": "size", "out": "size", "bias": "flag", "threshold": "head_threshold", "tied": "flag"}
+    spec_defaults = {"tied": False}
+
+    def to_spec(self, root: nn.Module) -> dict:
+        embeddings = root.get_input_embeddings() if hasattr(root, "get_input_embeddings") else None
+        return {"in": self.in_features, "out": self.out_features, "bias": self.bias is not None,
+                "threshold": float(self.threshold), "tied": self.weight is getattr(embeddings, "weight", None)}
+
+    @classmethod
+    def from_spec(cls, s: dict, zeros, threshold: float, **_) -> "InputSparseHead":
+        # a tied weight is the embedding's again after tie_weights()
+        return cls(zeros(s["out"], s["in"]), zeros(s["out"]) if s["bias"] else None, threshold)
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, threshold: float):
         super().__init__()

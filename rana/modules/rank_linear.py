@@ -27,6 +27,18 @@ class RankAdapterLinear(MacMeter, nn.Module):
     (column-major, so a kept rank is one contiguous row of `A.weight.t()`)."""
 
     row_major_children = ("B",)
+    # its entry in a folder's rana_config.json (rana.modules.registry: the field kinds)
+    spec_type = "rank"
+    spec_fields = {"in": "size", "out": "size", "rank": "size", "bias": "flag", "threshold": "threshold"}
+
+    def to_spec(self, root: nn.Module) -> dict:
+        return {"in": self.in_features, "out": self.out_features, "rank": self.rank,
+                "bias": self.A.bias is not None, "threshold": float(self.threshold)}
+
+    @classmethod
+    def from_spec(cls, s: dict, zeros, threshold: float, **_) -> "RankAdapterLinear":
+        return cls(zeros(s["out"], s["rank"]), zeros(s["rank"], s["in"]), zeros(s["out"]) if s["bias"] else None,
+                   threshold)
 
     def __init__(self, A: torch.Tensor, B: torch.Tensor, bias: torch.Tensor | None, threshold: float):
         super().__init__()
@@ -89,6 +101,16 @@ class SharedRankCode(MacMeter, nn.Module):
     """
 
     row_major_children = ("B",)
+    spec_type = "shared_code"
+    spec_fields = {"in": "size", "out": "size", "rank": "size", "consumers": "size", "threshold": "threshold"}
+
+    def to_spec(self, root: nn.Module) -> dict:
+        return {"in": self.in_features, "out": self.out_features, "rank": self.rank, "consumers": self.consumers,
+                "threshold": float(self.threshold)}
+
+    @classmethod
+    def from_spec(cls, s: dict, zeros, threshold: float, **_) -> "SharedRankCode":
+        return cls(zeros(s["rank"], s["in"]), threshold, s["out"], s["consumers"])
 
     def __init__(self, B: torch.Tensor, threshold: float, out_features: int, consumers: int = 3):
         super().__init__()
@@ -154,6 +176,17 @@ class SharedRankCode(MacMeter, nn.Module):
 
 class RankSliceLinear(nn.Module):
     """One of q/k/v: its rows of the stacked A applied to the shared masked code."""
+
+    spec_type = "rank_slice"  # no threshold of its own: its code's
+    spec_fields = {"out": "size", "rank": "size", "bias": "flag", "code": "adapter"}
+
+    def to_spec(self, root: nn.Module) -> dict:
+        code = next(n for n, c in root.named_modules() if c is self._code())
+        return {"out": self.out_features, "rank": self.A.in_features, "bias": self.A.bias is not None, "code": code}
+
+    @classmethod
+    def from_spec(cls, s: dict, zeros, built: dict, **_) -> "RankSliceLinear":
+        return cls(zeros(s["out"], s["rank"]), zeros(s["out"]) if s["bias"] else None, built[s["code"]])
 
     def __init__(self, A: torch.Tensor, bias: torch.Tensor | None, code: SharedRankCode):
         super().__init__()

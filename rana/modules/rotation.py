@@ -16,6 +16,17 @@ class RotatedInput(MacMeter, nn.Module):
     which block's cost the rotation is ("attention" or "mlp"; the norm's path lies outside both).
     """
 
+    spec_type = "rotated_input"  # wraps the norm found at its path; no threshold
+    spec_fields = {"in": "size", "block": ("attention", "mlp")}
+    spec_defaults = {"block": "attention"}  # what a folder without the field meant
+
+    def to_spec(self, root: nn.Module) -> dict:
+        return {"in": self.features, "block": self.block}
+
+    @classmethod
+    def from_spec(cls, s: dict, zeros, model: nn.Module, **_) -> "RotatedInput":
+        return cls(model.get_submodule(s["path"]), zeros(s["in"], s["in"]), s.get("block", "attention"))
+
     def __init__(self, norm: nn.Module, rotation: torch.Tensor, block: str):
         super().__init__()
         self.norm = norm

@@ -30,6 +30,7 @@ from .groups import link_decode_groups
 from .laurel import LaurelConfig, apply_laurel
 from .neuron_linear import InputSparseHead, InputSparseLinear, NeuronThresholdLinear, SparseLowRankLinear
 from .rank_linear import RankAdapterLinear, RankSliceLinear, SharedRankCode
+from .registry import ADAPTER_KINDS, build_adapter, build_order
 from .rotation import RotatedInput
 
 RANA_CONFIG = "config.json (rana_adapters)"  # named in install_empty_adapters' error message
