@@ -10,7 +10,8 @@
 #                interpreter already has are used, not reinstalled; VENV_FLAGS= isolates the venv
 #   TORCH        what `pip install` gets when there is no torch at all (default torch==2.13.0, CPU)
 #   PYTEST_ARGS  extra pytest arguments, e.g. PYTEST_ARGS='-m "not slow"' or PYTEST_ARGS='-x -k card'
-#   DEMO_OUT     where the demo writes (default demo-out); DEMO_ARGS: more `python -m rana.cli.demo` options
+#   DEMO_OUT     where the demo writes (default demo-out; a rerun replaces it only if rana wrote all of it);
+#                DEMO_ARGS: more `python -m rana.cli.demo` options
 
 PYTHON ?= python3
 VENV ?= .venv
@@ -59,7 +60,7 @@ $(STAMP): pyproject.toml | $(PY)
 	@touch $@
 
 demo: $(STAMP)
-	$(PY) -m rana.cli.demo --out $(DEMO_OUT) $(DEMO_ARGS)
+	$(PY) -m rana.cli.demo --out $(DEMO_OUT) --overwrite $(DEMO_ARGS)
 
 test: $(STAMP)
 	$(PY) -m pytest -q -p no:cacheprovider $(PYTEST_ARGS)

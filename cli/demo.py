@@ -12,6 +12,11 @@ Offline, on a laptop CPU, in a few minutes:
    batch-1 decode speed, compressed and dense timed interleaved;
 4. print the table, write `results.json`, `demo.png` and the card's evaluation section.
 
+Its `--out` gets every check `rana compress` makes, before the model is loaded: never an input
+(nor inside one), an existing folder only with `--overwrite` and only if rana wrote all of it, a
+folder that can be written, a name whose temp folder fits the file system. Everything is written
+into a temp folder renamed into place at the end (a failure, a full disk, leaves nothing).
+
 Everything goes through the library (`rana.compress.compress_model`, `rana.io.save` /
 `rana.load`, `rana.evaluation.evaluate_model`) and prints the same table as `rana eval`.
 """
@@ -30,7 +35,8 @@ DEFAULT_OUT = "demo-out"
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m rana.cli.demo", description=__doc__.split("\n\n")[0])
-    p.add_argument("--out", default=DEFAULT_OUT, help=f"output folder (default {DEFAULT_OUT}); replaced if it exists")
+    p.add_argument("--out", default=DEFAULT_OUT, help=f"output folder (default {DEFAULT_OUT}); must not exist unless --overwrite")
+    p.add_argument("--overwrite", action="store_true", help="replace --out if it exists and rana wrote all of it")
     p.add_argument("--model", default="smollm2-135m", help="dense model (default smollm2-135m, offline)")
     p.add_argument("--flops", type=float, default=0.58, help="FLOP fraction to keep (default 0.58)")
     p.add_argument("--method", default="rana", help="compression method (default rana)")
@@ -78,23 +84,36 @@ class _LineProgress:
                                highlight=False)
 
 
+def model_folder_name(args: argparse.Namespace) -> str:
+    return f"{Path(args.model).name.replace('.', '-')}-{args.method}{round(args.flops * 100)}"
+
+
+def check_outputs(args: argparse.Namespace) -> Path:
+    """The checks every command makes of its --out, before any work (the demo writes a folder too)."""
+    from rana.checks import check_writable_dir
+    from rana.io.models import model_inputs
+    from rana.io.paths import check_output, check_temp_name
+
+    out = Path(args.out)
+    check_output(out, model_inputs(args.model), overwrite=args.overwrite)
+    check_writable_dir(out, "--out")
+    check_temp_name(out / model_folder_name(args), "--out")  # the model folder inside gets a temp folder of its own
+    return out
+
+
 def run(args: argparse.Namespace) -> dict:
     from rich.console import Console
 
     import rana
-    from rana.io.card import add_evaluation
-    from rana.cli.common import print_wide
-    from rana.cli.eval_cmd import eval_table
     from rana.compress import calibration_data, compress_model
     from rana.compress import CompressConfig
     from rana.data import BUNDLED_CORPUS, BUNDLED_HELDOUT
-    from rana.evaluation import eval_tokens, evaluate_model, ppl_protocol
+    from rana.io import atomic_dir
     from rana.io.models import load_model
 
     console = Console(stderr=True)
     say = lambda msg: console.print(msg, highlight=False, soft_wrap=True)  # noqa: E731
-    out_console = Console()
-    out = Path(args.out)
+    out = check_outputs(args)
     t0 = time.perf_counter()
     timings: dict[str, float] = {}
 
@@ -120,18 +139,39 @@ def run(args: argparse.Namespace) -> dict:
         result = compress_model(copy.deepcopy(dense), tokenizer, config, calibration, progress=progress)
     result.plan["model"] = config.model
     t = lap("compress", t)
-    folder = out / f"{Path(args.model).name.replace('.', '-')}-{args.method}{round(args.flops * 100)}"
-    out.mkdir(parents=True, exist_ok=True)
-    rana.save(result.model, result.tokenizer, folder, plan=result.plan, overwrite=True, offloaded=result.offloaded,
-              extra={"method": config.method, "compress_config": config.to_dict()})
-    del result
-    compressed, _ = rana.load(folder)  # measure what was saved, as a user would load it
-    t = lap("save+reload", t)
+    name = model_folder_name(args)
+    with atomic_dir(out, overwrite=args.overwrite, kind="demo output") as tmp:
+        folder = tmp / name
+        rana.save(result.model, result.tokenizer, folder, plan=result.plan, overwrite=True, offloaded=result.offloaded,
+                  extra={"method": config.method, "compress_config": config.to_dict()})
+        del result
+        compressed, _ = rana.load(folder)  # measure what was saved, as a user would load it
+        t = lap("save+reload", t)
+        results = _evaluate_and_write(args, dense, compressed, tokenizer, folder, out / name, timings, console)
+        t = lap("evaluate", t)
+        timings["total"] = round(time.perf_counter() - t0, 1)
+        (tmp / "results.json").write_text(json.dumps(results, indent=2, default=float) + "\n")
+    _summary(args, results, out, out / name)
+    return results
 
+
+def _evaluate_and_write(args, dense, compressed, tokenizer, folder: Path, final: Path, timings: dict, console) -> dict:
+    """Evaluate dense and compressed on the held-out text, print the table and write results.json,
+    demo.png and the card's evaluation section into the demo's temp folder (`folder`'s parent);
+    `final`: where the model folder will be once it is renamed into place."""
+    from rana.cli.common import print_wide
+    from rana.cli.eval_cmd import eval_table
+    from rana.data import BUNDLED_CORPUS, BUNDLED_HELDOUT
+    from rana.evaluation import eval_tokens, evaluate_model, ppl_protocol
+    from rana.io.card import add_evaluation
+    from rana.io.paths import write_manifest
+    from rich.console import Console
+
+    out_console = Console()
     tokens = eval_tokens(BUNDLED_HELDOUT, tokenizer, max_tokens=args.eval_tokens)
     label = BUNDLED_HELDOUT.stem
     plan = json.loads((folder / "plan.json").read_text())
-    say("evaluating dense and compressed on the held-out text …")
+    console.print("evaluating dense and compressed on the held-out text …", highlight=False, soft_wrap=True)
     with _progress(console) as progress:
         dense_row = evaluate_model(dense, tokenizer, ppl_sources={label: tokens}, seq_len=args.seq_len,
                                    batch_size=args.batch_size, name=args.model, progress=progress)
@@ -139,13 +179,11 @@ def run(args: argparse.Namespace) -> dict:
         row = evaluate_model(compressed, tokenizer, ppl_sources={label: tokens}, seq_len=args.seq_len,
                              batch_size=args.batch_size, latency=True, dense_model=dense,
                              latency_new_tokens=args.latency_tokens, latency_repeats=args.latency_repeats,
-                             latency_warmup=1, name=str(folder), plan=plan, progress=progress)
-        row.update(kind="rana", label=folder.name)
+                             latency_warmup=1, name=str(final), plan=plan, progress=progress)
+        row.update(kind="rana", label=final.name)
     lat = row["latency"]
     dense_row["latency"] = {"tokens_per_s": lat["dense_tokens_per_s"], "latency_ratio": 1.0,
                             "decode_tokens_per_s": lat["dense_decode_tokens_per_s"]}
-    t = lap("evaluate", t)
-
     results = {
         "models": [dense_row, row],
         "seq_len": args.seq_len, "eval_tokens": args.eval_tokens,
@@ -161,13 +199,20 @@ def run(args: argparse.Namespace) -> dict:
     print_wide(out_console, eval_table(results))
     out_console.print(f"protocol: {results['protocol']}", highlight=False, soft_wrap=True)
     out_console.print(f"latency: {results['latency_protocol']}", highlight=False, soft_wrap=True)
-    (out / "results.json").write_text(json.dumps(results, indent=2, default=float) + "\n")
     add_evaluation(folder, results)
-    figure = plot_demo(results, plan, out / "demo.png")
-    timings["total"] = round(time.perf_counter() - t0, 1)
-    (out / "results.json").write_text(json.dumps(results, indent=2, default=float) + "\n")
+    write_manifest(folder)  # the card changed after `save` listed the folder's files
+    plot_demo(results, plan, folder.parent / "demo.png")
+    return results
 
+
+def _summary(args: argparse.Namespace, results: dict, out: Path, folder: Path) -> None:
+    """The closing lines: what was measured and where it was written."""
+    from rich.console import Console
+
+    dense_row, row = results["models"]
+    label, lat = next(iter(row["ppl"])), row["latency"]
     d_ppl, c_ppl = dense_row["ppl"][label]["ppl"], row["ppl"][label]["ppl"]
+    out_console = Console()
     out_console.print(
         f"\n[bold]{args.model}[/] at target F = {args.flops}: measured FLOPs {row['flops']['fraction']:.4f} of dense on "
         f"{row['flops']['tokens']} held-out tokens; perplexity {d_ppl:.2f} → {c_ppl:.2f}; time per decoded token "
@@ -176,9 +221,9 @@ def run(args: argparse.Namespace) -> dict:
     out_console.print(f"\noutputs in {out}/:\n"
                       f"  {folder}/          compressed model (rana.load), model card README.md, recipe.json, plan.json\n"
                       f"  {out / 'results.json'}    the numbers above\n"
-                      f"  {figure}        plot\n"
-                      f"timings (s): {', '.join(f'{k} {v}' for k, v in timings.items())}", highlight=False, soft_wrap=True)
-    return results
+                      f"  {out / 'demo.png'}        plot\n"
+                      f"timings (s): {', '.join(f'{k} {v}' for k, v in results['timings_s'].items())}",
+                      highlight=False, soft_wrap=True)
 
 
 def _quiet_library_bars() -> None:

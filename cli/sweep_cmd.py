@@ -87,9 +87,9 @@ def register(app: typer.Typer) -> None:
         config.validate()
         resolve(model, dense=True)  # fail fast on an unknown model (or a rana folder)
         from rana.io.models import model_inputs
-        from rana.io.paths import check_output, local_inputs
+        from rana.io.paths import SWEEP_KIND, check_output, local_inputs
 
-        check_output(out, model_inputs(model) + local_inputs(dataset, *ppl_data), resumable=("sweep folder",))
+        check_output(out, model_inputs(model) + local_inputs(dataset, *ppl_data), resumable=(SWEEP_KIND,))
         check_inputs(model, seq_len=max(seq_len, config.eval_protocol().window), out=out, out_inside=True,
                      data=list(ppl_data))  # fail fast
         check_source(dataset, "--dataset")

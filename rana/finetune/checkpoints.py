@@ -19,7 +19,7 @@ from typing import Callable
 from ..checks import check_writable_dir
 from ..io import OutputExistsError
 from ..io.models import model_inputs
-from ..io.paths import check_output, check_work_dir, local_inputs
+from ..io.paths import UnsafeOutputError, check_output, check_temp_name, check_work_dir, checkpoints_problem, local_inputs
 from .config import FinetuneConfig, FinetuneError
 
 CHECKPOINTS = ".checkpoints"
@@ -137,6 +137,8 @@ class CheckpointFolder:
         --out if it was made only to hold it), so the same command can simply be run again."""
         if not self.is_main or self.path is None or not self.path.is_dir() or list_checkpoints(self.path):
             return
+        if checkpoints_problem(self.path) is not None:  # someone else's files (an existing --checkpoint-dir)
+            return
         shutil.rmtree(self.path, ignore_errors=True)
         if self.out is not None and not out_existed and self.out.is_dir() and not any(self.out.iterdir()):
             self.out.rmdir()
@@ -253,5 +255,12 @@ def check_no_input_overlap(cfg: FinetuneConfig, out: Path | None, ckpt_dir: Path
         check_output(out, inputs, overwrite=True)
     elif out is not None:  # an existing folder without --overwrite: CheckpointFolder.check says resume or overwrite
         check_work_dir(out, inputs, "--out")
+    if out is not None:
+        check_temp_name(out, "--out", depth=2)  # the model is saved inside the temp folder of --out
     if ckpt_dir is not None and cfg.checkpoint_dir:
         check_work_dir(ckpt_dir, inputs, "--checkpoint-dir")
+        # --overwrite clears it (CheckpointFolder.prepare): only if it holds nothing but a run's checkpoints
+        problem = checkpoints_problem(ckpt_dir) if cfg.overwrite and not cfg.resume and ckpt_dir.is_dir() else None
+        if problem is not None:
+            raise UnsafeOutputError(f"--checkpoint-dir '{ckpt_dir}' {problem} or choose another --checkpoint-dir "
+                                    "(--overwrite clears only a fine-tune's own checkpoints)")

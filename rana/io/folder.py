@@ -24,19 +24,24 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 from ..archs import ArchSpec, get_arch
 from ..modules import NeuronThresholdLinear, link_decode_groups
 from ..modules.laurel import LaurelConfig, apply_laurel
+from ..modules.registry import ADAPTER_KINDS
 from .card import write_folder_card
 from .format import (FORMAT_VERSION, PLAN, RANA_CONFIG, WEIGHTS, WEIGHTS_INDEX, ModelLoadError, adapter_specs,
                      install_empty_adapters, threshold_from_json, tied_keys, write_json)
-from .paths import OutputExistsError, apply_umask, check_output, remove_stale_temps, temp_prefix
+from .paths import OutputExistsError, apply_umask, check_output, remove_stale_temps, temp_prefix, write_manifest
+from .schema import PLAN_SCHEMA, RANA_CONFIG_SCHEMA, FieldError, validate
 from .weightfiles import check_safetensors_folder
 
 
 @contextmanager
-def atomic_dir(out: Path, *, overwrite: bool = False) -> Iterator[Path]:
+def atomic_dir(out: Path, *, overwrite: bool = False, kind: str = "rana output") -> Iterator[Path]:
     """Yield a temp folder beside `out`; on success rename it into place (nothing half-written).
 
-    `overwrite` replaces only an empty folder or one rana wrote (rana.io.paths.check_output); temp
-    folders left beside `out` by killed runs are removed first; the result gets the user's umask."""
+    The last file written into it is its manifest (`rana.io.paths.write_manifest`): what rana
+    wrote, so a later `overwrite` can prove the folder is rana's. `overwrite` replaces only an empty
+    folder or one whose every file its manifest lists (rana.io.paths.check_output), checked again
+    just before the swap (a file put there during the work is not deleted); temp folders left beside
+    `out` by killed runs are removed first; the result gets the user's umask."""
     out = Path(out)
     if out.exists() and not overwrite:
         raise OutputExistsError(f"output folder '{out}' already exists; choose another --out or pass --overwrite")
@@ -46,8 +51,10 @@ def atomic_dir(out: Path, *, overwrite: bool = False) -> Iterator[Path]:
     tmp = Path(tempfile.mkdtemp(prefix=temp_prefix(out), dir=out.parent))
     try:
         yield tmp
+        write_manifest(tmp, kind)
         apply_umask(tmp)
-        if out.exists():
+        if out.exists() or out.is_symlink():
+            check_output(out, overwrite=overwrite)
             backup = Path(tempfile.mkdtemp(prefix=temp_prefix(out, "old"), dir=out.parent))
             out.rename(backup / out.name)
             tmp.rename(out)
@@ -117,72 +124,33 @@ def _load_weights(path: Path) -> dict[str, torch.Tensor]:
     return state
 
 
-_ADAPTER_FIELDS = {  # required integer fields (>= 1) of each adapter type in rana_config.json
-    "rank": ("in", "out", "rank"), "shared_code": ("in", "out", "rank", "consumers"), "rank_slice": ("out", "rank"),
-    "neuron": ("in", "out"), "input_sparse": ("in", "out"), "input_sparse_head": ("in", "out"),
-    "cats": ("hidden", "intermediate"), "rotated_input": ("in",),
-}
-_UNTHRESHOLDED = ("rank_slice", "rotated_input")  # adapter types without a threshold of their own
-_DTYPE_NAMES = ("float32", "bfloat16", "float16")
+def _read_json(file: Path, schema, fix: str):
+    """A folder's JSON file checked against `schema` (rana.io.schema); one line naming the file and
+    the field otherwise. `fix`: what the user can do about it."""
+    try:
+        doc = json.loads(file.read_text(encoding="utf-8"))
+        if not isinstance(doc, dict):
+            raise FieldError("not a JSON object")
+        validate(doc, schema)
+    except OSError as e:
+        raise ModelLoadError(f"cannot read '{file}': {e.strerror or e}") from None
+    except (ValueError, UnicodeDecodeError) as e:  # FieldError and JSON syntax errors are ValueErrors
+        raise ModelLoadError(f"'{file}' is invalid: {str(e).splitlines()[0]}; {fix}") from None
+    return doc
 
 
 def read_meta(path: Path) -> dict:
-    """rana_config.json of a rana folder, its schema checked (one line naming the file otherwise)."""
-    file = Path(path) / RANA_CONFIG
-    try:
-        meta = json.loads(file.read_text(encoding="utf-8"))
-        if not isinstance(meta, dict):
-            raise ValueError("not a JSON object")
-        version = meta.get("format_version", FORMAT_VERSION)
-        if not isinstance(version, int) or version > FORMAT_VERSION:
-            raise ValueError(f"format_version {version!r} is newer than this rana reads ({FORMAT_VERSION}); upgrade rana")
-        if meta.get("dtype", "float32") not in _DTYPE_NAMES:
-            raise ValueError(f"dtype {meta.get('dtype')!r} is not one of {', '.join(_DTYPE_NAMES)}")
-        adapters = meta.get("adapters")
-        if not isinstance(adapters, list):
-            raise ValueError("'adapters' must be a list")
-        codes = {a.get("path") for a in adapters if isinstance(a, dict) and a.get("type") == "shared_code"}
-        for i, a in enumerate(adapters):
-            if not isinstance(a, dict) or not isinstance(a.get("path"), str) or not a["path"]:
-                raise ValueError(f"adapter {i} has no 'path'")
-            kind = a.get("type")
-            if kind not in _ADAPTER_FIELDS:
-                raise ValueError(f"adapter '{a['path']}' has unknown type {kind!r}")
-            for key in _ADAPTER_FIELDS[kind]:
-                v = a.get(key)
-                if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-                    raise ValueError(f"adapter '{a['path']}': '{key}' must be a positive integer, got {v!r}")
-            if kind in ("rank", "rank_slice", "neuron", "input_sparse", "input_sparse_head") and not isinstance(a.get("bias"), bool):
-                raise ValueError(f"adapter '{a['path']}': 'bias' must be true or false")
-            if kind == "rank_slice" and a.get("code") not in codes:
-                raise ValueError(f"adapter '{a['path']}': its code {a.get('code')!r} is not a shared_code adapter")
-            if kind not in _UNTHRESHOLDED:
-                try:
-                    threshold_from_json(a.get("threshold"))
-                except ValueError as e:
-                    raise ValueError(f"adapter '{a['path']}': {e}") from None
-            f = a.get("active_fraction")  # optional (the decode kernels' sparsity bin); older folders lack it
-            if f is not None and (isinstance(f, bool) or not isinstance(f, (int, float)) or not 0.0 <= f <= 1.0):
-                raise ValueError(f"adapter '{a['path']}': 'active_fraction' must be a number in [0, 1], got {f!r}")
-    except OSError as e:
-        raise ModelLoadError(f"cannot read '{file}': {e.strerror or e}") from None
-    except (ValueError, UnicodeDecodeError) as e:
-        raise ModelLoadError(f"'{file}' is invalid: {str(e).splitlines()[0]}; re-create the folder with `rana compress`") from None
-    return meta
+    """rana_config.json of a rana folder, its schema checked (one line naming the file and field otherwise)."""
+    return _read_json(Path(path) / RANA_CONFIG, RANA_CONFIG_SCHEMA, "re-create the folder with `rana compress`")
 
 
 def read_plan(path: Path | str) -> dict | None:
-    """plan.json of a rana folder (None when absent); one line naming the file when unreadable."""
+    """plan.json of a rana folder (None when absent), its schema checked: a plan of the wrong shape is
+    refused here, not met by the model-card writer after a fine-tune."""
     file = Path(path) / PLAN
     if not file.is_file():
         return None
-    try:
-        plan = json.loads(file.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, ValueError) as e:
-        raise ModelLoadError(f"'{file}' is unreadable ({str(e).splitlines()[0]}); restore it or delete it") from None
-    if not isinstance(plan, dict):
-        raise ModelLoadError(f"'{file}' is not a JSON object; restore it or delete it")
-    return plan
+    return _read_json(file, PLAN_SCHEMA, "restore it or delete it")
 
 
 def check_folder(path: Path | str) -> None:
@@ -204,7 +172,7 @@ def check_thresholds(model: nn.Module, specs: list[dict], path: Path) -> None:
     """Every loaded threshold is a number and the one rana_config.json records (a NaN masks
     nothing or everything without a word; a changed one is not the model that was measured)."""
     for s in specs:
-        if s["type"] in _UNTHRESHOLDED:
+        if "threshold" not in ADAPTER_KINDS[s["type"]].spec_fields:  # a slice of a shared code, a rotation
             continue
         buf = model.get_submodule(s["path"]).get_buffer("threshold")
         got, want = float(buf), threshold_from_json(s.get("threshold"))
@@ -226,6 +194,7 @@ def load(path: Path | str, *, device: str = "cpu", dtype: torch.dtype | None = N
     if not is_rana_dir(path):
         raise ValueError(f"'{path}' is not a rana folder (no {RANA_CONFIG}); produce one with `rana compress`")
     meta = read_meta(path)
+    read_plan(path)  # every field rana reads back, checked before the model is built
     saved_dtype = getattr(torch, meta.get("dtype", "float32"))
     try:
         config = AutoConfig.from_pretrained(path)
@@ -249,7 +218,9 @@ def load(path: Path | str, *, device: str = "cpu", dtype: torch.dtype | None = N
     except RuntimeError as e:  # shapes that differ from rana_config.json
         raise ModelLoadError(f"weights in '{path}' do not match its {RANA_CONFIG}: "
                              f"{' '.join(str(e).split())[:300]}") from None
-    missing = [k for k in missing if not (getattr(config, "tie_word_embeddings", False) and k.startswith(get_arch(config).lm_head))]
+    # only what tie_weights() fills may be absent: a tied head's threshold (or bias) missing from the
+    # weights would otherwise be taken from rana_config.json without a word
+    missing = [k for k in missing if k not in tied_keys(model)]
     if missing or unexpected:
         raise ModelLoadError(f"weights in '{path}' do not match its {RANA_CONFIG}: {len(missing)} missing "
                              f"{missing[:3]}, {len(unexpected)} unexpected {unexpected[:3]}; the folder is incomplete "

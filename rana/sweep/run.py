@@ -25,7 +25,7 @@ from ..evaluation.perplexity import PplProtocol, ppl_preset, protocol_tokens
 from ..io import save
 from ..io.format import write_json
 from ..io.models import load_model, model_inputs
-from ..io.paths import check_output, local_inputs
+from ..io.paths import SWEEP_KIND, check_output, claim_folder, local_inputs
 from ..methods import METHODS, get_method
 from .report import DENSE, describe_point, layer_summary, point_name, write_outputs
 
@@ -248,6 +248,7 @@ class Sweep:
             gc.collect()
 
     def run(self) -> dict:
+        claim_folder(self.out, SWEEP_KIND)  # marks it as a sweep's: only such a folder is resumed into
         self.points_dir.mkdir(parents=True, exist_ok=True)
         planned = self.planned()
         points, done = [], 0
@@ -295,5 +296,5 @@ class Sweep:
 def run_sweep(config: SweepConfig, *, progress: Progress | None = None, log: Log | None = None) -> dict:
     """Run (or resume) a sweep and write its outputs under `config.out`; returns results.json's content."""
     check_output(config.out, model_inputs(config.model) + local_inputs(config.dataset, *config.ppl_data),
-                 resumable=("sweep folder",))
+                 resumable=(SWEEP_KIND,))
     return Sweep(config, progress=progress, log=log).run()
