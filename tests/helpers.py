@@ -31,11 +31,44 @@ def tiny_model(arch: str = "llama", seed: int = 0, **overrides):
         "gpt_neox": (tf.GPTNeoXConfig, tf.GPTNeoXForCausalLM,
                      dict(num_key_value_heads=None, rotary_pct=0.25, use_parallel_residual=True, attention_bias=True)),
         "phi3": (tf.Phi3Config, tf.Phi3ForCausalLM, dict(pad_token_id=0, bos_token_id=1, eos_token_id=2)),
-    }[arch]
+        # q/k norms per head; head_dim 32 ≠ hidden / heads = 16 (as Qwen3's real checkpoints)
+        "qwen3": (tf.Qwen3Config, tf.Qwen3ForCausalLM, dict(head_dim=32)),
+        # layer 1 skips RoPE (NoPE)
+        "smollm3": (tf.SmolLM3Config, tf.SmolLM3ForCausalLM,
+                    dict(no_rope_layers=[1, 0], pad_token_id=0, bos_token_id=1, eos_token_id=2)),
+        # Granite 3.x-like multipliers, all far from 1 so a place that ignores one shows
+        "granite": (tf.GraniteConfig, tf.GraniteForCausalLM,
+                    dict(embedding_multiplier=12.0, residual_multiplier=0.22, attention_multiplier=0.125,
+                         logits_scaling=8.0)),
+        # no pre-norms: post-norms on both blocks, q/k norms over the whole projection. A wider init than
+        # 0.02: there the post-normed attention output (RMS 1) swamps the embeddings (RMS 0.02) and the
+        # near-uniform attention makes every MLP input of a sequence about one running mean, so thresholds
+        # rest on a dozen independent samples and the held-out F missed by 0.01-0.03
+        "olmo2": (tf.Olmo2Config, tf.Olmo2ForCausalLM,
+                  dict(pad_token_id=0, bos_token_id=1, eos_token_id=2, initializer_range=0.1)),
+    }.get(arch, (None, None, None))
+    if arch == "gemma3":
+        return _tiny_gemma3_multimodal(**overrides)
     kw = {**TINY, **extra, **overrides}
     kw = {k: v for k, v in kw.items() if v is not None}  # None: drop the key (GPT-NeoX has no kv heads)
     cfg = cfg_cls(**kw)
     return model_cls(cfg).eval()
+
+
+def _tiny_gemma3_multimodal(**overrides):
+    """Gemma 3's multimodal wrapper around the tiny gemma3_text decoder, with a one-layer SigLIP tower
+    (28 px images, 4 image tokens; the image-token ids sit at the top of the 128-token vocabulary)."""
+    import transformers as tf
+
+    text = {**TINY, "head_dim": 16, "sliding_window": 8, "layer_types": ["sliding_attention", "full_attention"]}
+    top = {k: overrides.pop(k) for k in ("tie_word_embeddings",) if k in overrides}
+    text.update(overrides)
+    vision = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2, image_size=28,
+                  patch_size=14)
+    vocab = text["vocab_size"]
+    cfg = tf.Gemma3Config(text_config=text, vision_config=vision, mm_tokens_per_image=4, image_token_index=vocab - 1,
+                          boi_token_index=vocab - 3, eoi_token_index=vocab - 2, **top)
+    return tf.Gemma3ForConditionalGeneration(cfg).eval()
 
 
 def perturbed_tiny_model(arch: str, **kw):

@@ -18,7 +18,8 @@ from helpers import tiny_calibration, tiny_compress_config, tiny_model
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # tiny models: one thread is fastest
 
-ARCHS = ["llama", "mistral", "qwen2", "gemma", "gemma2", "gemma3_text", "gpt_neox", "phi3"]
+ARCHS = ["llama", "mistral", "qwen2", "gemma", "gemma2", "gemma3_text", "gpt_neox", "phi3",
+         "qwen3", "smollm3", "granite", "olmo2", "gemma3"]
 CPU = torch.device("cpu")
 
 
@@ -93,8 +94,47 @@ def test_spec_answers_the_path_questions(arch):
         assert spec.block_of(p) == "attention" and spec.block_of(f"{spec.layers}.1.{p}") == "attention"
     for p in [*mlp.values(), spec.act_path()]:
         assert spec.block_of(p) == "mlp" and spec.block_of(f"{spec.layers}.1.{p}") == "mlp"
-    for p in (spec.embed, spec.lm_head, spec.final_norm, f"{spec.layers}.0.{spec.attn_norm}", f"{spec.layers}.0"):
+    norms = [f"{spec.layers}.0.{n}" for n in (spec.attn_norm, spec.mlp_norm) if n]  # OLMo 2 has no pre-norms
+    for p in (spec.embed, spec.lm_head, spec.final_norm, f"{spec.layers}.0", *norms):
         assert spec.block_of(p) is None
+
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_residual_inputs_and_scale(arch):
+    """What LAuReL relies on, on a real forward: `residual_input(block)` receives the residual stream
+    x that the block's output f (after its post-norm, if any) is added back to, and the layer
+    computes x + m·f with m = `residual_scale` (Granite's residual_multiplier; 1 elsewhere)."""
+    model = tiny_model(arch)
+    spec = get_arch(model.config)
+    layer = decoder_layers(model, spec)[1]
+    seen = {}
+
+    def keep(key):
+        def hook(_m, args, kwargs):
+            seen[key] = args[0] if args else kwargs["hidden_states"]
+        return hook
+
+    def keep_output(key):
+        def hook(_m, _args, out):
+            seen[key] = out[0] if isinstance(out, tuple) else out
+        return hook
+
+    hooks = [layer.register_forward_pre_hook(keep("layer_in"), with_kwargs=True),
+             layer.register_forward_hook(keep_output("layer_out")),
+             layer.get_submodule(spec.mlp_post_norm or spec.mlp).register_forward_hook(keep_output("f"))]
+    hooks += [layer.get_submodule(spec.residual_input(b)).register_forward_pre_hook(keep(b), with_kwargs=True)
+              for b in ("attention", "mlp")]
+    with torch.no_grad():
+        model(_ids())
+    for h in hooks:
+        h.remove()
+    out = seen["layer_out"]
+    assert torch.equal(seen["attention"], seen["layer_in"])
+    m = spec.residual_scale(model.config)
+    assert m == (0.22 if arch == "granite" else 1.0)
+    if not spec.parallel_residual:  # GPT-NeoX: both blocks read x, out = x + attn + mlp
+        torch.testing.assert_close(out, seen["mlp"] + m * seen["f"], atol=1e-6, rtol=1e-6)
 
 
 def test_arch_specifics():

@@ -2,7 +2,7 @@
 process where `rana` cannot be imported, and gives the logits, greedy tokens (KV cache on) and
 save_pretrained round-trip of `rana.io.load` on the source rana folder.
 
-Tiny random llama / mistral / qwen2 / phi3 / gpt_neox models (qwen2: q/k/v biases; one tied-embeddings
+Tiny random llama / mistral / qwen2 / phi3 / gpt_neox / gemma 1-3 / qwen3 / smollm3 / granite / olmo2 models (qwen2: q/k/v biases; one tied-embeddings
 case; one sharded case; two LAuReL cases) are compressed in-process with rana, teal and cats; all exports
 are then checked by one isolated subprocess (python -I, cwd outside the repo, rana's import hook removed
 and imports of rana blocked; triton blocked too, as on a machine without it). The real SmolLM2 (with
@@ -49,6 +49,16 @@ CASES = {
     "gemma_rana_tied": ("gemma", "rana", True, None, "2GB"),
     "gemma2_teal": ("gemma2", "teal", False, None, "2GB"),
     "gemma3_laurel": ("gemma3_text", "rana", False, "rw+lr", "2GB"),
+    # issue 24's dense architectures (tiny configs only): q/k norms (qwen3); NoPE layers, tied (smollm3);
+    # the four multipliers, LAuReL dividing its skip terms by the residual one (granite); no pre-norms,
+    # LAuReL recording x at the blocks' own inputs (olmo2)
+    "qwen3_rana": ("qwen3", "rana", False, None, "2GB"),
+    "smollm3_rana_tied": ("smollm3", "rana", True, None, "2GB"),
+    "granite_laurel": ("granite", "rana", False, "rw+lr+pa", "2GB"),
+    "olmo2_laurel": ("olmo2", "teal", False, "rw+lr", "2GB"),
+    # Gemma 3's multimodal wrapper: the text decoder compressed, the vision tower dense (text prompt here;
+    # an image prompt in test_archs_2025.py)
+    "gemma3_multimodal": ("gemma3", "rana", False, None, "2GB"),
 }
 PROMPT = torch.tensor([[5, 17, 99, 3, 42, 8, 77, 120, 64, 1, 33, 12]])
 NEW_TOKENS = 8

@@ -29,7 +29,9 @@ CASES = [("llama", dict(tie_word_embeddings=True)),  # GQA: 4 query heads on 2 K
          ("qwen2", {}),  # q/k/v biases
          ("mistral", dict(num_key_value_heads=4)),  # no GQA
          ("gemma", {}),  # `1 + w` norm scales, tied embeddings
-         ("phi3", {})]  # fused qkv / gate_up
+         ("phi3", {}),  # fused qkv / gate_up
+         ("qwen3", {}),  # q/k norms after the projections, head_dim ≠ hidden / heads
+         ("granite", {})]  # embedding / residual / logits multipliers: scalars commute with the rotation
 
 
 @pytest.mark.parametrize("arch,kw", CASES, ids=[c[0] for c in CASES])
@@ -127,7 +129,7 @@ def test_save_load_and_export_reproduce_the_logits(tmp_path):
 
 
 @pytest.mark.parametrize("arch,match", [("gemma2", "post-norms"), ("gemma3_text", "post-norms"),
-                                        ("gpt_neox", "LayerNorm")])
+                                        ("olmo2", "post-norms"), ("gpt_neox", "LayerNorm")])
 def test_architectures_without_invariance_are_refused(arch, match):
     with pytest.raises(UnsupportedArchitectureError, match=match) as err:
         compress_model(tiny_model(arch), None, tiny_compress_config(method="larosa", flops=0.7), tiny_calibration())

@@ -81,6 +81,10 @@ def make(arch="llama", layers=3, seed=0):
         model = GPTNeoXForCausalLM(
             GPTNeoXConfig(num_hidden_layers=layers, use_parallel_residual=True, rotary_pct=0.25, **cfg)
         )
+    elif arch in ("granite", "olmo2"):  # the registered tiny configs (Granite's multipliers; OLMo 2: no pre-norms)
+        from helpers import tiny_model
+
+        model = tiny_model(arch, seed=seed, num_hidden_layers=layers, intermediate_size=128, max_position_embeddings=128)
     else:
         raise ValueError(arch)
     return model.float().eval()
@@ -132,9 +136,11 @@ def test_identity_at_init_bit_exact(arch, variant):
     assert torch.equal(logits(model, x), base)
 
 
-@pytest.mark.parametrize("arch", ["gemma2", "gpt_neox"])
+@pytest.mark.parametrize("arch", ["gemma2", "gpt_neox", "olmo2", "granite"])
 @pytest.mark.parametrize("variant", ["rw", "rw+lr+pa", "skip+lr"])
 def test_identity_post_norm_and_parallel_residual(arch, variant):
+    """Also OLMo 2 (x recorded at the block's own input: no pre-norm) and Granite (skip terms divided
+    by the residual multiplier): still bit for bit at init."""
     model = make(arch, layers=2)
     x = ids()
     base = logits(model, x)
@@ -259,30 +265,38 @@ def closed_form(mod: LaurelResidual, f, x, stream):
 
 
 def reference_forward(model, spec, layer_inputs, layer_kwargs, laurels):
-    """Chain the decoder layers by hand (hooks removed) with the closed-form LAuReL residuals."""
+    """Chain the decoder layers by hand (hooks removed) with the closed-form LAuReL residuals. The branch
+    f is what the layer adds: m·post_norm(block(pre_norm(x))), each piece where the arch has it."""
     ref = copy.deepcopy(model)
     remove_laurel(ref)
     layers = ref.get_submodule(spec.layers)
+    m_scale = spec.residual_scale(model.config)
+
+    def pre(layer, block, x):  # OLMo 2: no pre-norm
+        return layer.get_submodule(spec.pre_norm(block))(x) if spec.pre_norm(block) else x
+
     h = layer_inputs[0]
     stream, outs = [], []
     for i, layer in enumerate(layers):
         kw = {k: layer_kwargs[i][k] for k in ("attention_mask", "position_embeddings", "position_ids") if k in layer_kwargs[i]}
         la, lm = laurels[i]
         x = h
-        a = layer.get_submodule(spec.attn)(layer.get_submodule(spec.attn_norm)(x), **kw)[0]
+        a = layer.get_submodule(spec.attn)(pre(layer, "attention", x), **kw)[0]
         if spec.attn_post_norm:
             a = layer.get_submodule(spec.attn_post_norm)(a)
+        a = m_scale * a
         if spec.parallel_residual:
-            m = layer.get_submodule(spec.mlp)(layer.get_submodule(spec.mlp_norm)(x))
+            m = layer.get_submodule(spec.mlp)(pre(layer, "mlp", x))
             h = closed_form(la, a, x, stream) + closed_form(lm, m, x, stream)
             stream.append(x)
         else:
             h = closed_form(la, a, x, stream)
             stream.append(x)
             x = h
-            m = layer.get_submodule(spec.mlp)(layer.get_submodule(spec.mlp_norm)(x))
+            m = layer.get_submodule(spec.mlp)(pre(layer, "mlp", x))
             if spec.mlp_post_norm:
                 m = layer.get_submodule(spec.mlp_post_norm)(m)
+            m = m_scale * m
             h = closed_form(lm, m, x, stream)
             stream.append(x)
         outs.append(h)
@@ -291,7 +305,8 @@ def reference_forward(model, spec, layer_inputs, layer_kwargs, laurels):
 
 @pytest.mark.parametrize(
     "arch,variant",
-    [("llama", "rw+lr+pa"), ("llama", "skip+pa"), ("qwen2", "rw+lr"), ("gemma2", "rw+lr+pa"), ("gpt_neox", "rw+lr+pa")],
+    [("llama", "rw+lr+pa"), ("llama", "skip+pa"), ("qwen2", "rw+lr"), ("gemma2", "rw+lr+pa"), ("gpt_neox", "rw+lr+pa"),
+     ("olmo2", "rw+lr+pa"), ("granite", "rw+lr+pa"), ("granite", "skip+lr")],
 )
 def test_residual_form_matches_closed_form(arch, variant):
     model = make(arch, layers=3)

@@ -41,7 +41,9 @@ CASES = [("llama", dict(tie_word_embeddings=True)),  # GQA: 4 query heads on 2 K
          ("phi3", {}),  # fused qkv / gate_up
          ("gemma", {}),  # `1 + w` norm scales, head_dim ≠ hidden / heads
          ("gemma2", {}),  # post-norms: nothing is folded through a norm, so they are no obstacle
-         ("gpt_neox", {})]  # LayerNorm, parallel residual, fused interleaved qkv, non-gated MLP
+         ("gpt_neox", {}),  # LayerNorm, parallel residual, fused interleaved qkv, non-gated MLP
+         ("qwen3", {}),  # q/k norms after the projections
+         ("granite", {})]  # residual / attention multipliers
 
 
 @pytest.mark.parametrize("arch,kw", CASES, ids=[c[0] for c in CASES])

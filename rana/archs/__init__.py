@@ -10,7 +10,8 @@ from .base import (
     set_submodule,
     supported_model_types,
 )
-from . import gemma, gemma2, gemma3_text, gpt_neox, llama, mistral, phi3, qwen2  # noqa: F401  (registration side effects)
+from . import (gemma, gemma2, gemma3_text, gpt_neox, granite, llama, mistral, olmo2, phi3, qwen2,  # noqa: F401
+               qwen3, smollm3, gemma3)  # (registration side effects)
 
 __all__ = [
     "BLOCKS",

@@ -43,13 +43,19 @@ class ArchSpec:
     down: str = "down_proj"
     gate_up_fused: str | None = None
     act: str = "act_fn"
-    # Residual structure. The module named `attn_norm` receives the residual stream that the
-    # attention output is added back to (likewise `mlp_norm` for the MLP). Optional post-norms
-    # are applied to the block output before the add (Gemma 2/3).
-    attn_norm: str = "input_layernorm"
-    mlp_norm: str = "post_attention_layernorm"
+    # Residual structure. `attn_norm` is the attention's pre-norm: the module that receives the
+    # residual stream the attention output is added back to (likewise `mlp_norm` for the MLP).
+    # None: the block has no pre-norm and reads the residual stream itself (OLMo 2 normalises only
+    # the block outputs); `residual_input` names whichever receives it. Optional post-norms are
+    # applied to the block output before the add (Gemma 2/3, OLMo 2).
+    attn_norm: str | None = "input_layernorm"
+    mlp_norm: str | None = "post_attention_layernorm"
     attn_post_norm: str | None = None
     mlp_post_norm: str | None = None
+    # config attribute m scaling each block's output before the residual add, x + m·block(x)
+    # (Granite's `residual_multiplier`); None: m = 1. Whatever rewrites the residual add (LAuReL)
+    # reads it through `residual_scale`.
+    residual_multiplier_config: str | None = None
     parallel_residual: bool = False
     # config attribute that switches the parallel residual on/off per model (GPT-NeoX's
     # `use_parallel_residual`); `get_arch(config)` then returns the spec with it applied
@@ -91,6 +97,23 @@ class ArchSpec:
         if role == "down":
             return f"{self.mlp}.{self.down}"
         raise KeyError(f"unknown role '{role}' (roles: {', '.join(ROLES)})")
+
+    def pre_norm(self, block: str) -> str | None:
+        """The pre-norm of "attention" or "mlp" (None when the block reads the raw residual stream)."""
+        return {"attention": self.attn_norm, "mlp": self.mlp_norm}[block]
+
+    def residual_input(self, block: str) -> str:
+        """Layer-relative path of the module whose (first) input is the residual stream that
+        `block`'s output is added back to: its pre-norm, or the block itself when it has none."""
+        return self.pre_norm(block) or {"attention": self.attn, "mlp": self.mlp}[block]
+
+    def residual_scale(self, config) -> float:
+        """m in x + m·block(x) for a model of `config` (1.0 unless `residual_multiplier_config`)."""
+        if not self.residual_multiplier_config:
+            return 1.0
+        text = config.get_text_config() if hasattr(config, "get_text_config") else config
+        value = getattr(text, self.residual_multiplier_config, None)
+        return 1.0 if value is None else float(value)
 
     def block_of(self, module_name: str) -> str | None:
         """"attention" or "mlp" for a module inside that block (a model- or layer-relative

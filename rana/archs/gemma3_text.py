@@ -2,7 +2,7 @@
 q/k norms inside attention (after q/k/v, so the stacked-QKV adapter is unaffected) and 5:1
 sliding / global layers whose rotary embeddings differ by type (local vs global RoPE base):
 calibration records every layer's own keyword arguments. The multimodal "gemma3" wrapper
-(`Gemma3ForConditionalGeneration`) is not registered."""
+(`Gemma3ForConditionalGeneration`) is this decoder at other paths (gemma3.py)."""
 from .base import ArchSpec, register
 
 GEMMA3_TEXT = register(ArchSpec(

@@ -25,9 +25,11 @@ embeddings: the head absorbs the final norm's scale and no longer equals the rot
 
 Thresholds: one magnitude threshold per projection at the layer's fraction, set on fit tokens of
 the rotated model (as `teal`). Needs invariance: RMSNorm (a Gemma-style `1 + w` scale too) on a
-sequential pre-norm residual; post-norms (Gemma 2/3) and LayerNorm with a parallel residual
-(GPT-NeoX) are refused. The rotation is fitted on the dense model before the layer loop (all of
-it in memory: not with layers streamed from disk).
+sequential pre-norm residual; post-norms (Gemma 2/3, OLMo 2, which has no pre-norms at all) and
+LayerNorm with a parallel residual (GPT-NeoX) are refused. Scalar multipliers on the embeddings, the
+residual adds and the logits (Granite) commute with the rotation. `larosa-heads` (o's input only)
+needs none of this and runs wherever v's rows per KV head are contiguous. The rotation is fitted on
+the dense model before the layer loop (all of it in memory: not with layers streamed from disk).
 """
 from __future__ import annotations
 
@@ -50,6 +52,9 @@ def unsupported(spec: ArchSpec) -> str | None:
         return ("method 'larosa' needs a rotation-invariant residual stream: this architecture normalises each "
                 "block's output before the residual add (post-norms), which a folded rotation cannot pass through; "
                 "use teal or rana")
+    if spec.attn_norm is None or spec.mlp_norm is None:
+        return ("method 'larosa' folds its rotation through each block's pre-norm: this architecture has none "
+                "(its blocks read the raw residual stream); use teal or rana")
     if spec.parallel_residual or "gpt_neox" in spec.model_types:
         return ("method 'larosa' needs RMSNorm on a sequential residual: GPT-NeoX's LayerNorm subtracts the mean, "
                 "which a folded rotation cannot pass through; use teal or rana")
@@ -103,8 +108,8 @@ def rotation_statistics(model: nn.Module, spec: ArchSpec, sequences: torch.Tenso
     heads: list[torch.Tensor | None] = []
     hooks = []
 
-    def on_norm(_m, args):
-        residual.add_(_normalised_moment(args[0]).cpu())
+    def on_input(_m, args, kwargs):  # a block without a pre-norm (OLMo 2) gets its input by keyword
+        residual.add_(_normalised_moment(args[0] if args else kwargs["hidden_states"]).cpu())
 
     def on_o(i):
         def hook(_m, args):
@@ -116,8 +121,9 @@ def rotation_statistics(model: nn.Module, spec: ArchSpec, sequences: torch.Tenso
     layers = decoder_layers(model, spec)
     for i, layer in enumerate(layers):
         heads.append(None)
-        hooks.append(layer.get_submodule(spec.attn_norm).register_forward_pre_hook(on_norm))
-        hooks.append(layer.get_submodule(spec.mlp_norm).register_forward_pre_hook(on_norm))
+        for block in ("attention", "mlp"):
+            hooks.append(layer.get_submodule(spec.residual_input(block)).register_forward_pre_hook(on_input,
+                                                                                                with_kwargs=True))
         hooks.append(layer.get_submodule(spec.o_path()).register_forward_pre_hook(on_o(i)))
     device = next(model.parameters()).device
     try:

@@ -24,7 +24,8 @@ through computational invariance. Here:
 Then WINA exactly as `wina` (|x_j|·‖W'[:, j]‖ on the rotated inputs, each projection at the
 layer's fraction, sequential calibration), fitted on the rotated model. The rotation needs no
 calibration data; it is applied to the whole model before the layer loop (not with layers streamed
-from disk).
+from disk). It needs a pre-norm on each block to carry the rotation: OLMo 2, whose blocks read the raw
+residual stream, is refused.
 """
 from __future__ import annotations
 
@@ -104,6 +105,14 @@ def _rotate_readers(layer: nn.Module, norm_path: str, readers: list[str], R: tor
     set_submodule(layer, norm_path, RotatedInput(norm, R.to(device=ref.device, dtype=ref.dtype), block))
 
 
+def unsupported(spec: ArchSpec) -> str | None:
+    """The rotation is applied by wrapping each block's pre-norm; a block without one has nowhere to put it."""
+    if spec.attn_norm is None or spec.mlp_norm is None:
+        return ("method 'wina-ortho' rotates each block's normalised input at its pre-norm: this architecture has "
+                "no pre-norms (its blocks read the raw residual stream, which the skip path needs unrotated); use wina")
+    return None
+
+
 def rotation_macs(config) -> float:
     """Per-token MACs of the explicit rotations: d² for each block input, two per layer."""
     d, n_layers, *_ = _dims(config)
@@ -165,6 +174,6 @@ register(replace(
                 "per token per block input, counted and budgeted; o's input rotated per KV head for free (folded "
                 "into v and o); then as wina",
                 dict(color="darkolivegreen", marker="X", ls="--"), lm_head="dense"),
-    prepare=prepare, runtime_macs=rotation_macs))
+    prepare=prepare, runtime_macs=rotation_macs, unsupported=unsupported))
 
-__all__ = ["column_orthogonalising_rotation", "head_rotations", "rotate_model", "rotation_macs", "prepare"]
+__all__ = ["column_orthogonalising_rotation", "head_rotations", "rotate_model", "rotation_macs", "prepare", "unsupported"]

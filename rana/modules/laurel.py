@@ -31,16 +31,20 @@ already makes the term vanish; gamma = 0 *and* B = 0 would be a saddle where nei
 gradient). The model's logits are then bit-for-bit unchanged.
 
 Mechanism (works for any architecture described by an :class:`rana.archs.ArchSpec`, without rewriting
-the decoder layer's forward): the module at ``spec.attn_norm`` receives exactly the residual stream x
-that the attention branch is added back to. A forward *pre*-hook on that norm records x; a forward
-hook on the branch output (``spec.attn``, or ``spec.attn_post_norm`` when set) replaces f by
+the decoder layer's forward): the module at ``spec.residual_input("attention")`` (the pre-norm, or the
+attention itself when it has none, as in OLMo 2) receives exactly the residual stream x that the
+attention branch is added back to. A forward *pre*-hook on that module records x; a forward hook on
+the branch output (``spec.attn``, or ``spec.attn_post_norm`` when set) replaces f by
 
     f' = alpha f + (beta - 1) x + beta g
 
 so the layer's own ``residual + f'`` yields the LAuReL form. At identity init f' == f bit for bit
-(1.0*f + (0.0*x + 1.0*0)). The same holds for the MLP. No module is replaced, so the base model's
-state_dict keys do not change; the parameters live in new submodules ``<layer>.laurel_attn`` /
-``<layer>.laurel_mlp`` (:class:`LaurelResidual`).
+(1.0*f + (0.0*x + 1.0*0)). The same holds for the MLP. Where the layer scales the branch before the
+add, ``residual + m f'`` (Granite's ``residual_multiplier``, ``spec.residual_scale``), the skip terms
+are divided by m (``f' = alpha f + ((beta - 1) x + beta g) / m``) so that the sum is still
+``alpha m f + beta (x + g)``: alpha weights the branch as the layer adds it, beta the plain skip.
+No module is replaced, so the base model's state_dict keys do not change; the parameters live in
+new submodules ``<layer>.laurel_attn`` / ``<layer>.laurel_mlp`` (:class:`LaurelResidual`).
 
 Parallel residual (GPT-NeoX/Pythia: ``x + attn(ln1 x) + mlp(ln2 x)``): both branches share one
 residual x, so the beta / g terms are applied once, on the first targeted branch (attention if
@@ -158,10 +162,16 @@ class LaurelResidual(nn.Module):
         per_dim: bool = False,
         alpha_only: bool = False,
         skip_init: float = 1.0,
+        residual_scale: float = 1.0,
         device=None,
         dtype=None,
     ):
         super().__init__()
+        if not residual_scale:
+            raise ValueError("LaurelResidual: residual_scale (the layer's branch multiplier) must be non-zero")
+        # m of a layer computing x + m·f' (Granite): a plain attribute, not state, since the model's
+        # config holds it and the state-dict keys stay those of the other architectures
+        self.residual_scale = float(residual_scale)
         comps = tuple(components)
         self.dim = int(dim)
         self.use_rw = "rw" in comps
@@ -249,6 +259,8 @@ class LaurelResidual(nn.Module):
                 extra = extra + beta * g
         else:
             extra = g
+        if extra is not None and self.residual_scale != 1.0:
+            extra = extra / self.residual_scale  # the layer multiplies f' by m before the add
         return out if extra is None else out + extra
 
     def extra_repr(self) -> str:
@@ -261,6 +273,8 @@ class LaurelResidual(nn.Module):
             s += ", per_dim=True"
         if self.alpha_only:
             s += ", alpha_only=True"
+        if self.residual_scale != 1.0:
+            s += f", residual_scale={self.residual_scale:g}"
         return s
 
 
@@ -542,26 +556,23 @@ def apply_laurel(
     base_params = sum(p.numel() for p in model.parameters())
     dim = getattr(model.config, "hidden_size", None)
     if dim is None:
-        dim = layers[0].get_submodule(spec.attn_norm).weight.shape[-1]
+        dim = layers[0].get_submodule(spec.attn_norm or spec.attn_post_norm).weight.shape[-1]
     if "lr" in comps and config.rank > dim:
         raise ValueError(f"LAuReL rank {config.rank} exceeds the hidden size {dim}")
     k = config.history if "pa" in comps else 1
     ctx = _LaurelContext(config, layers, k)
     layers_name = spec.layers
     targets = [t for t in TARGETS if t in config.targets]
-    norms = {"attn": spec.attn_norm, "mlp": spec.mlp_norm}
-    outs = {
-        "attn": spec.attn_post_norm or spec.attn,
-        "mlp": spec.mlp_post_norm or spec.mlp,
-    }
+    # where x is recorded: the pre-norm, or the block itself when it reads the raw residual (OLMo 2)
+    norms = {"attn": spec.residual_input("attention"), "mlp": spec.residual_input("mlp")}
+    residual_scale = spec.residual_scale(model.config)
+    outs = {"attn": spec.attn_post_norm or spec.attn, "mlp": spec.mlp_post_norm or spec.mlp}
     sites: list[LaurelSite] = []
     pos = 0
     for i, layer in enumerate(layers):
         ref = next(layer.parameters(), None)
-        kw = {
-            "device": ref.device if ref is not None else None,
-            "dtype": dtype or (ref.dtype if ref is not None else None),
-        }
+        kw = {"device": ref.device if ref is not None else None,
+              "dtype": dtype or (ref.dtype if ref is not None else None)}
         skip_init = skip_schedule_value(i) if config.init == "skip_schedule" else 1.0
         for n_t, target in enumerate(targets):
             alpha_only = spec.parallel_residual and n_t > 0
@@ -570,16 +581,8 @@ def apply_laurel(
             attr = MODULE_PREFIX + target
             if hasattr(layer, attr):
                 raise RuntimeError(f"decoder layer {i} already has an attribute {attr!r}")
-            module = LaurelResidual(
-                dim,
-                comps,
-                rank=config.rank,
-                history=config.history,
-                per_dim=config.per_dim,
-                alpha_only=alpha_only,
-                skip_init=skip_init,
-                **kw,
-            )
+            module = LaurelResidual(dim, comps, rank=config.rank, history=config.history, per_dim=config.per_dim,
+                                    alpha_only=alpha_only, skip_init=skip_init, residual_scale=residual_scale, **kw)
             layer.add_module(attr, module)
             where = f"layer {i} {target}"
             if alpha_only:
