@@ -47,3 +47,16 @@ def calib_file(tmp_path_factory):
     p = tmp_path_factory.mktemp("d") / "calib.txt"
     p.write_text(BUNDLED_CORPUS.read_text()[:20000])
     return p
+
+
+@pytest.fixture
+def no_model_load(monkeypatch):
+    """Fail the test if a command gets as far as loading a model (the error must come first)."""
+    import rana.compress
+    import rana.evaluation.run
+
+    def refuse(*a, **k):
+        raise AssertionError("a model was loaded before the bad input was reported")
+
+    monkeypatch.setattr(rana.evaluation.run, "open_model", refuse)
+    monkeypatch.setattr(rana.compress, "compress", refuse)

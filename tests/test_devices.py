@@ -27,17 +27,6 @@ def _missing() -> list[str]:
 MISSING = _missing()
 
 
-@pytest.fixture
-def no_model_load(monkeypatch):
-    """Fail the test if a command gets as far as loading a model (the error must come first)."""
-    import rana.compress
-    import rana.evaluation.run
-
-    def refuse(*a, **k):
-        raise AssertionError("a model was loaded before the bad --device was reported")
-
-    monkeypatch.setattr(rana.evaluation.run, "open_model", refuse)
-    monkeypatch.setattr(rana.compress, "compress", refuse)
 
 
 def _one_line(res) -> str:
