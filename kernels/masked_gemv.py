@@ -39,6 +39,9 @@ from .triton_gemv import triton_available as _triton_available
 from .cpu_gemv import masked_gemv_native
 
 __all__ = [
+    "expert_masked_gemv_dense",
+    "expert_masked_gemv_gather",
+    "expert_masked_gemv_reference",
     "masked_gemv",
     "masked_gemv_dense",
     "masked_gemv_reference",
@@ -246,3 +249,56 @@ def masked_gemv(w_t, v, threshold, *, mode: str, scale=None, bias=None) -> torch
     if v.is_cuda and w_t.is_cuda and triton_available():
         return masked_gemv_triton(w_t, v, threshold, mode=mode, scale=scale, bias=bias)
     return masked_gemv_torch(w_t, v, threshold, mode=mode, scale=scale, bias=bias)
+
+
+# --------------------------------------------------------------------------------------------
+# expert-indexed products (mixture of experts, one decode token): S selected experts of E stacked
+# --------------------------------------------------------------------------------------------
+def _check_experts(w_t: torch.Tensor, v: torch.Tensor, idx: torch.Tensor, thresholds: torch.Tensor) -> None:
+    if w_t.dim() != 3 or v.dim() != 2 or idx.dim() != 1 or v.shape != (idx.shape[0], w_t.shape[1]):
+        raise ValueError(f"expert GEMV needs w_t (E, K, N), v (S, K), idx (S,); got {tuple(w_t.shape)}, "
+                         f"{tuple(v.shape)}, {tuple(idx.shape)}")
+    if thresholds.shape != (w_t.shape[0],):
+        raise ValueError(f"thresholds must be (E,) = ({w_t.shape[0]},), got {tuple(thresholds.shape)}")
+
+
+def _expert_mask(v: torch.Tensor, idx: torch.Tensor, thresholds: torch.Tensor) -> torch.Tensor:
+    """|v[s, k]| >= t[idx[s]] in fp32, shape (S, K)."""
+    t = thresholds.to(device=v.device, dtype=torch.float32).index_select(0, idx)
+    return v.float().abs() >= t.unsqueeze(1)
+
+
+def expert_masked_gemv_dense(w_t: torch.Tensor, v: torch.Tensor, idx: torch.Tensor,
+                             thresholds: torch.Tensor) -> torch.Tensor:
+    """``y[s] = (m_s ⊙ v[s]) @ w_t[idx[s]]`` with ``m_s = |v[s]| >= thresholds[idx[s]]``; (S, N) in v's dtype.
+
+    Sync-free on every device (no nonzero): the selected experts' weights are gathered by index and
+    multiplied as one batched product, so it costs their dense reads; the accelerator / reference path."""
+    _check_experts(w_t, v, idx, thresholds)
+    x = torch.where(_expert_mask(v, idx, thresholds), v, 0.0).to(w_t.dtype)
+    return torch.bmm(x.unsqueeze(1), w_t.index_select(0, idx)).squeeze(1).to(v.dtype)
+
+
+def expert_masked_gemv_gather(w_t: torch.Tensor, v: torch.Tensor, idx: torch.Tensor,
+                              thresholds: torch.Tensor) -> torch.Tensor:
+    """The same product reading only the active rows, for CPU: the stacked ``w_t`` (contiguous E x K x N)
+    is one table of E·K rows, each selected expert one bag of its active rows ``idx[s]·K + k`` weighted
+    by ``v[s, k]`` — one ``embedding_bag`` over all selected experts (no loop, no gathered copy,
+    fp32 accumulation)."""
+    _check_experts(w_t, v, idx, thresholds)
+    E, K, N = w_t.shape
+    mask = _expert_mask(v, idx, thresholds)
+    slot, col = mask.nonzero().unbind(1)  # row-major: each slot's active inputs are contiguous
+    rows = idx.index_select(0, slot) * K + col
+    counts = mask.sum(1)
+    offsets = torch.cumsum(counts, 0) - counts
+    weights = v[slot, col].to(w_t.dtype)
+    y = torch.embedding_bag(w_t.reshape(E * K, N), rows, offsets, False, 0, False, weights, False, None)[0]
+    return y.to(v.dtype)
+
+
+def expert_masked_gemv_reference(w_t, v, idx, thresholds) -> torch.Tensor:
+    """fp32 reference, one expert at a time (tests)."""
+    _check_experts(w_t, v, idx, thresholds)
+    mask = _expert_mask(v, idx, thresholds)
+    return torch.stack([(v[s].float() * mask[s]) @ w_t[int(idx[s])].float() for s in range(len(idx))]).to(v.dtype)

@@ -14,6 +14,10 @@ Ops (one token: ``v`` holds K values, any leading dims of size 1):
         to torch.compile / inductor through wrap_triton, captured by CUDA graphs.
     rana::dense_gemv_triton(Tensor[] vs, Tensor[] ws) -> Tensor
         triton_op: up to three dense row-major GEMVs in one launch (the rank adapters' codes B x).
+    rana::expert_masked_gemv(Tensor w_t, Tensor v, Tensor idx, Tensor thresholds) -> Tensor
+        custom_op; a mixture of experts' one token: S selected experts (idx) of the stacked w_t
+        (E, K, N), each input row v[s] masked by |v| >= thresholds[idx[s]]; CPU: one embedding_bag
+        over the active rows of all selected experts, elsewhere the gathered dense batched product.
 
 ``threshold`` is a 0-dim fp32 tensor (a module buffer) and ``mode`` one of "none", "square",
 "abs_scaled", "abs" (see masked_gemv.py). Every op has a fake implementation, so
@@ -37,11 +41,12 @@ from typing import Optional, Sequence
 import torch
 
 from .cpu_gemv import MODE_IDS, masked_linear_native
-from .masked_gemv import masked_gemv_dense, masked_gemv_torch
+from .masked_gemv import (expert_masked_gemv_dense, expert_masked_gemv_gather, masked_gemv_dense,
+                          masked_gemv_torch)
 from .triton_gemv import (grouped_dense_gemv_triton, grouped_masked_gemv_triton, interpreting, kernels, sparsity_bin,
                           triton_available)
 
-__all__ = ["decode_masked", "decode_masked_grouped", "decode_dense_grouped", "masked_gemv_impl", "sparsity_bin", "DEFAULT_SPARSITY_BIN",
+__all__ = ["decode_masked", "decode_expert_masked", "decode_masked_grouped", "decode_dense_grouped", "masked_gemv_impl", "sparsity_bin", "DEFAULT_SPARSITY_BIN",
            "HAS_TRITON", "OP_NAMES", "MODES"]
 
 MODES = ("none", "square", "abs_scaled", "abs")
@@ -136,7 +141,23 @@ if HAS_TRITON and not _registered("masked_gemv_triton"):
 if HAS_TRITON and not _registered("dense_gemv_triton"):
     torch.library.triton_op("rana::dense_gemv_triton", _dense_gemv_triton_op, mutates_args=())
 
-OP_NAMES = ("rana::masked_gemv", "rana::masked_gemv_grouped") + (
+def expert_masked_gemv_impl(w_t: torch.Tensor, v: torch.Tensor, idx: torch.Tensor,
+                            thresholds: torch.Tensor) -> torch.Tensor:
+    """One token through S selected experts: the active-row gather on CPU, the sync-free product elsewhere."""
+    if v.is_cpu and w_t.is_cpu and w_t.is_contiguous():
+        return expert_masked_gemv_gather(w_t, v, idx, thresholds).contiguous()
+    return expert_masked_gemv_dense(w_t, v, idx, thresholds).contiguous()
+
+
+def _expert_masked_gemv_fake(w_t, v, idx, thresholds):
+    return v.new_empty((v.shape[0], w_t.shape[2]))
+
+
+if not _registered("expert_masked_gemv"):
+    torch.library.custom_op("rana::expert_masked_gemv", expert_masked_gemv_impl,
+                            mutates_args=()).register_fake(_expert_masked_gemv_fake)
+
+OP_NAMES = ("rana::masked_gemv", "rana::masked_gemv_grouped", "rana::expert_masked_gemv") + (
     ("rana::masked_gemv_triton", "rana::dense_gemv_triton") if HAS_TRITON else ())
 
 
@@ -204,3 +225,11 @@ def decode_dense_grouped(vs, ws) -> list[torch.Tensor] | None:
     else:
         flat = grouped_dense_gemv_triton(list(vs), list(ws))
     return list(flat.split([w.shape[0] for w in ws]))
+
+
+def decode_expert_masked(w_t: torch.Tensor, v: torch.Tensor, idx: torch.Tensor, thresholds: torch.Tensor) -> torch.Tensor:
+    """``(m_s ⊙ v[s]) @ w_t[idx[s]]`` for the S experts one token was routed to; (S, N). Under
+    torch.compile the registered op (its data-dependent gather stays inside it: no graph break)."""
+    if torch.compiler.is_compiling():
+        return torch.ops.rana.expert_masked_gemv(w_t, v, idx, thresholds)
+    return expert_masked_gemv_impl(w_t, v, idx, thresholds)

@@ -6,12 +6,12 @@ from typing import Iterator
 
 import torch.nn as nn
 
-from .archs import ArchSpec, get_arch
+from .archs import ArchSpec, UnsupportedArchitectureError, get_arch
 from .math.flops import LayerDims, dense_layer_macs, dense_model_macs
 from .modules.common import MacMeter
 
 ATTENTION_PARTS = ("q", "k", "v", "o", "attn_products")
-MLP_PARTS = ("up", "gate", "down")
+MLP_PARTS = ("up", "gate", "down", "router")  # router: mixtures of experts only
 
 
 def layer_dims(config, spec: ArchSpec | None = None) -> list[LayerDims]:
@@ -22,6 +22,9 @@ def layer_dims(config, spec: ArchSpec | None = None) -> list[LayerDims]:
     head_dim = getattr(text, "head_dim", None) or text.hidden_size // n_heads
     n_kv = getattr(text, "num_key_value_heads", None) or n_heads
     inter = getattr(text, "intermediate_size", None) or 4 * text.hidden_size
+    experts, top_k = _moe_dims(text, spec)
+    if experts:
+        inter = getattr(text, spec.expert_intermediate_config)
     layer_types = getattr(text, "layer_types", None)
     window = getattr(text, "sliding_window", None)
     if getattr(text, "use_sliding_window", True) is False:
@@ -33,8 +36,20 @@ def layer_dims(config, spec: ArchSpec | None = None) -> list[LayerDims]:
             sliding = window if layer_types[idx] == "sliding_attention" else None
         dims.append(LayerDims(hidden=text.hidden_size, q_out=n_heads * head_dim, kv_out=n_kv * head_dim,
                               intermediate=inter, gated=spec.gated, n_heads=n_heads, head_dim=head_dim,
-                              sliding_window=sliding))
+                              sliding_window=sliding, experts=experts, top_k=top_k))
     return dims
+
+
+def _moe_dims(text, spec: ArchSpec) -> tuple[int, int]:
+    """(experts, top-k) of a mixture-of-experts config, (0, 0) for a dense MLP. Qwen3-MoE may keep
+    dense MLPs in some layers; rana's MoE path assumes every layer routes, so those are refused."""
+    if not spec.moe:
+        return 0, 0
+    if getattr(text, "mlp_only_layers", None) or (getattr(text, "decoder_sparse_step", 1) or 1) != 1:
+        raise UnsupportedArchitectureError(
+            f"{text.model_type} with dense MLP layers (mlp_only_layers / decoder_sparse_step > 1) is not supported: "
+            "rana compresses mixture-of-experts models whose every layer routes")
+    return int(getattr(text, spec.num_experts_config)), int(text.num_experts_per_tok)
 
 
 def dense_macs(config, seq_len: int = 512) -> dict[str, float]:
@@ -75,7 +90,7 @@ def measured_macs(model: nn.Module, seq_len: int = 512) -> dict:
     dense = dense_macs(config, seq_len)
     parts = {
         "attention": sum(dense[k] for k in ATTENTION_PARTS),
-        "mlp": sum(dense[k] for k in MLP_PARTS),
+        "mlp": sum(dense.get(k, 0.0) for k in MLP_PARTS),
         "other": dense["lm_head"],  # the LM head: dense, or `--lm-head sparse`'s meter below (block_of: None)
     }
     measured = dict(parts)

@@ -46,6 +46,14 @@ def tiny_model(arch: str = "llama", seed: int = 0, **overrides):
         # rest on a dozen independent samples and the held-out F missed by 0.01-0.03
         "olmo2": (tf.Olmo2Config, tf.Olmo2ForCausalLM,
                   dict(pad_token_id=0, bos_token_id=1, eos_token_id=2, initializer_range=0.1)),
+        # mixtures of experts: 8 experts of 32 neurons, top 2 (transformers 5: stacked 3-D experts)
+        "qwen3_moe": (tf.Qwen3MoeConfig, tf.Qwen3MoeForCausalLM,
+                      dict(head_dim=32, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32, norm_topk_prob=True)),
+        "mixtral": (tf.MixtralConfig, tf.MixtralForCausalLM,
+                    dict(num_local_experts=8, num_experts_per_tok=2, intermediate_size=32)),
+        "olmoe": (tf.OlmoeConfig, tf.OlmoeForCausalLM,
+                  dict(num_experts=8, num_experts_per_tok=2, intermediate_size=32, pad_token_id=0, bos_token_id=1,
+                       eos_token_id=2)),
     }.get(arch, (None, None, None))
     if arch == "gemma3":
         return _tiny_gemma3_multimodal(**overrides)

@@ -29,6 +29,8 @@ def test_compress_end_to_end_hits_budget(arch, method):
         logits = result.model(ids).logits
     assert torch.isfinite(logits).all()
     assert not torch.allclose(logits, dense_logits)  # something was compressed
+    # the new adapters share the model's mode (eval): a decode token takes the masked-GEMV kernels
+    assert not any(m.training for m in result.model.modules())
     for layer in plan["layers"]:
         for step in ("attention", "mlp"):
             if step in layer:

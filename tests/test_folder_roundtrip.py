@@ -40,6 +40,7 @@ CASES = [(m, "llama", {}, {}) for m in names()] + [
     ("rana", "llama", {"lm_head": "sparse"}, {"vocab_size": 1024, "tie_word_embeddings": True}),
     ("teal", "qwen2", {"lm_head": "sparse"}, {"vocab_size": 1024, "tie_word_embeddings": False}),
     ("rana", "gpt_neox", {}, {}),
+    ("rana", "mixtral", {}, {}),  # a mixture of experts' stacked experts (moe_input_sparse)
 ]
 
 

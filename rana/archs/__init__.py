@@ -11,7 +11,7 @@ from .base import (
     supported_model_types,
 )
 from . import (gemma, gemma2, gemma3_text, gpt_neox, granite, llama, mistral, olmo2, phi3, qwen2,  # noqa: F401
-               qwen3, smollm3, gemma3)  # (registration side effects)
+               qwen3, smollm3, gemma3, qwen3_moe, mixtral, olmoe)  # (registration side effects)
 
 __all__ = [
     "BLOCKS",

@@ -43,6 +43,14 @@ class ArchSpec:
     down: str = "down_proj"
     gate_up_fused: str | None = None
     act: str = "act_fn"
+    # Mixture of experts (transformers 5): `experts`, relative to `mlp`, holds every expert's weights as
+    # 3-D parameters (gate_up_proj [E, 2I, H], down_proj [E, H, I]) and `router` the dense top-k router
+    # reading the same input; None for a dense MLP. The config attributes name E and I (top-k is
+    # `num_experts_per_tok` in all of them).
+    experts: str | None = None
+    router: str | None = None
+    num_experts_config: str = "num_experts"
+    expert_intermediate_config: str = "intermediate_size"
     # Residual structure. `attn_norm` is the attention's pre-norm: the module that receives the
     # residual stream the attention output is added back to (likewise `mlp_norm` for the MLP).
     # None: the block has no pre-norm and reads the residual stream itself (OLMo 2 normalises only
@@ -64,7 +72,18 @@ class ArchSpec:
 
     @property
     def gated(self) -> bool:
-        return self.gate is not None or self.gate_up_fused is not None
+        return self.gate is not None or self.gate_up_fused is not None or self.experts is not None
+
+    @property
+    def moe(self) -> bool:
+        return self.experts is not None
+
+    def experts_path(self) -> str:
+        """The stacked experts of a mixture-of-experts MLP (what both MLP roles read into)."""
+        return f"{self.mlp}.{self.experts}"
+
+    def router_path(self) -> str:
+        return f"{self.mlp}.{self.router}"
 
     # Layer-relative paths, derived here once so no other module re-derives them.
 
@@ -79,6 +98,8 @@ class ArchSpec:
 
     def mlp_paths(self) -> dict[str, str]:
         """The MLP's projections by name, in the order up, gate (or the fused gate_up), down."""
+        if self.moe:  # no nn.Linear per projection: the stacked experts (experts_path) hold them all
+            return {}
         names = {"up": self.up, "gate": self.gate, "gate_up": self.gate_up_fused, "down": self.down}
         return {name: f"{self.mlp}.{attr}" for name, attr in names.items() if attr}
 
@@ -92,6 +113,8 @@ class ArchSpec:
             return next(iter(self.qkv_paths().values()))
         if role == "o":
             return self.o_path()
+        if role in ("mlp_in", "down") and self.moe:
+            return self.experts_path()  # the experts' input; their down projections' inputs are inside
         if role == "mlp_in":
             return f"{self.mlp}.{self.gate_up_fused or self.gate or self.up}"
         if role == "down":

@@ -47,7 +47,8 @@ class MemoryEstimate:
 def layer_weight_bytes(model_config, dtype: str = "float32") -> float:
     """Bytes of the largest decoder layer's projection weights (norms and biases are negligible)."""
     e = dtype_bytes(dtype)
-    return max(e * (2 * d.q_out * d.hidden + 2 * d.kv_out * d.hidden + (3 if d.gated else 2) * d.intermediate * d.hidden)
+    return max(e * (2 * d.q_out * d.hidden + 2 * d.kv_out * d.hidden + (3 if d.gated else 2) * d.intermediate * d.hidden
+                   * d.stored_experts)
                for d in layer_dims(model_config))
 
 

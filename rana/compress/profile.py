@@ -70,8 +70,9 @@ def profile_and_allocate(model: nn.Module, spec: ArchSpec, method: Method, fit: 
     layers = decoder_layers(model, spec)
     n_fit = max(1, int(round(len(fit.hidden) * profile_share)))
     fit = LayerInputs(fit.hidden[:n_fit], fit.kwargs[:n_fit], fit.spill)
-    roles = sorted({r for st in method.steps for r in st.targets})
-    moments = tuple(sorted({r for st in method.steps for r in st.moments}))
+    steps_of_layer = method.layer_steps(spec)
+    roles = sorted({r for st in steps_of_layer for r in st.targets})
+    moments = tuple(sorted({r for st in steps_of_layer for r in st.moments}))
     lo = method.min_fraction + 1e-3
     fractions = sorted({min(1.0, max(lo, uniform_fraction * m)) for m in PROFILE_MULTIPLIERS} - {1.0})
     curves, blocks, per_layer_curves = [], [], []
@@ -82,8 +83,8 @@ def profile_and_allocate(model: nn.Module, spec: ArchSpec, method: Method, fit: 
                                layer_index=idx)
         reference = _layer_outputs(layer, held, device)
         layer_curves = {}
-        for name in dict.fromkeys(step.block for step in method.steps):
-            steps = [st for st in method.steps if st.block == name]
+        for name in dict.fromkeys(step.block for step in steps_of_layer):
+            steps = [st for st in steps_of_layer if st.block == name]
             dense_cost = sum(dense_per_layer[idx][p] for p in method.adapted_parts if _part_step(p) == name)
             errors = []
             for f in fractions:  # this block alone compressed, the rest of the layer dense

@@ -83,6 +83,8 @@ def _step_error(ctx: LayerContext, step_name: str, stats) -> Callable[[], float]
         return lambda: relative_error(ref, _module_outputs([m for _, m in qkv_modules(ctx)], x))
     mlp = ctx.module(ctx.spec.mlp)
     x = as_module_input(stats["mlp_in"].eval[: ctx.search_tokens * 2], mlp)
+    if ctx.spec.moe:  # an MoE block reads (batch, sequence, hidden)
+        x = x.unsqueeze(0)
     ref = mlp(x)
     return lambda: relative_error(ref, mlp(x))
 
@@ -100,7 +102,12 @@ def compress_model(model: nn.Module, tokenizer, config: CompressConfig, calibrat
     fraction, budget_info = budget_for(model.config, method, config.flops, config.seq_len, config.lm_head)
     if on_budget:
         on_budget(budget_info)
-    return _compress_layers(model, tokenizer, config, calibration, method, fraction, budget_info, progress, lazy_weights)
+    result = _compress_layers(model, tokenizer, config, calibration, method, fraction, budget_info, progress,
+                              lazy_weights)
+    # the adapters are new modules, built in training mode: put every module back in the model's own mode
+    # (an eval-mode model decodes through the masked-GEMV kernels only when its adapters are in eval mode too)
+    model.train(model.training)
+    return result
 
 
 @torch.no_grad()
@@ -177,7 +184,7 @@ def _compress_layer(ctx: LayerContext, method: Method, fit, held, fractions: dic
     the (already compressed) upstream; returns the layer's plan entry with held-aside errors."""
     layer, spec, fraction = ctx.layer, ctx.spec, ctx.fraction
     entry, measures = {"layer": ctx.index}, {}
-    for step in method.steps if fraction < 1.0 else []:
+    for step in method.layer_steps(spec) if fraction < 1.0 else []:
         ctx.fraction = fractions[step.block] if fractions else fraction
         if ctx.fraction >= 1.0:
             continue

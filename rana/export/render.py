@@ -41,6 +41,7 @@ SHIPPED_MODULES: dict[str, str] = {
     "rana.modules.rank_linear": "rank_linear",
     "rana.modules.neuron_linear": "neuron_linear",
     "rana.modules.cats": "cats",
+    "rana.modules.experts": "experts",  # mixtures of experts' stacked experts (adapter kind moe_input_sparse)
     "rana.modules.rotation": "rotation",
     "rana.modules.registry": "registry",  # the adapter kinds install_empty_adapters rebuilds
     "rana.modules.groups": "groups",

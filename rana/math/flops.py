@@ -21,6 +21,20 @@ class LayerDims:
     n_heads: int
     head_dim: int
     sliding_window: int | None = None
+    # a mixture-of-experts MLP: `experts` experts of `intermediate` neurons each, `top_k` of them run per
+    # token (0: a dense MLP)
+    experts: int = 0
+    top_k: int = 0
+
+    @property
+    def active_experts(self) -> int:
+        """How many experts' (or the one dense MLP's) projections one token runs through."""
+        return self.top_k if self.experts else 1
+
+    @property
+    def stored_experts(self) -> int:
+        """How many experts' weights the layer stores (1 for a dense MLP)."""
+        return self.experts or 1
 
     @property
     def qkv_out(self) -> int:
@@ -37,18 +51,23 @@ def average_context(seq_len: int = 512, window: int | None = None) -> float:
 
 
 def dense_layer_macs(d: LayerDims, seq_len: int = 512) -> dict[str, float]:
-    """Per-token MACs of one dense decoder layer, by component."""
+    """Per-token MACs of one dense decoder layer, by component. A mixture of experts counts the
+    `top_k` experts a token is routed to (the active parameters), plus the router's E·H."""
     ctx = average_context(seq_len, d.sliding_window)
-    return {
+    mlp = float(d.active_experts * d.intermediate * d.hidden)
+    macs = {
         "q": float(d.q_out * d.hidden),
         "k": float(d.kv_out * d.hidden),
         "v": float(d.kv_out * d.hidden),
         "o": float(d.hidden * d.q_out),
         "attn_products": float(2 * d.n_heads * d.head_dim * ctx),
-        "up": float(d.intermediate * d.hidden),
-        "gate": float(d.intermediate * d.hidden) if d.gated else 0.0,
-        "down": float(d.hidden * d.intermediate),
+        "up": mlp,
+        "gate": mlp if d.gated else 0.0,
+        "down": mlp,
     }
+    if d.experts:  # the router stays dense (routing unchanged); no key for dense MLPs (plans stay as they were)
+        macs["router"] = float(d.experts * d.hidden)
+    return macs
 
 
 def dense_model_macs(layers: list[LayerDims], vocab_size: int, seq_len: int = 512) -> dict[str, float]:

@@ -124,9 +124,21 @@ class Method:
     # per-token MACs the method adds that the dense model does not spend (wina-ortho's explicit
     # rotations), from the model config: the budget takes them from the adapted parts
     runtime_macs: Callable[..., float] | None = None
+    # the MLP steps on a mixture-of-experts layer (rana.methods.moe.STEP); empty: the method refuses MoE models
+    moe_steps: tuple[Step, ...] = ()
 
     def unsupported_reason(self, spec: ArchSpec) -> str | None:
+        if spec.moe and not self.moe_steps:
+            return (f"method '{self.name}' cannot compress mixture-of-experts MLPs ({spec.model_types[0]}: stacked "
+                    "experts); use --method rana or teal (input sparsity per expert)")
         return self.unsupported(spec) if self.unsupported is not None else None
+
+    def layer_steps(self, spec: ArchSpec) -> tuple[Step, ...]:
+        """The steps run in each decoder layer of `spec`: on a mixture of experts the MLP steps are
+        `moe_steps` (the attention steps are the dense models')."""
+        if not spec.moe:
+            return self.steps
+        return tuple(s for s in self.steps if s.block != "mlp") + self.moe_steps
 
 
 # ---------------------------------------------------------------------------- registry

@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 
 from ..math.masks import subsample_rows, threshold_for_keep_fraction
+from . import moe
 from .base import InputStats, LayerContext, MemoryNeed, Method, Step, install_choice, register, sparse_choice, summary
 
 
@@ -42,4 +43,5 @@ register(Method(
     (Step(("qkv_in",), "qkv_in", (), qkv), Step(("o",), "o", (), o_projection),
      Step(("mlp_in",), "mlp_in", (), up_gate, "mlp"), Step(("down",), "down", (), down, "mlp")),
     min_fraction=0.0, description="TEAL: magnitude sparsity of every projection's input",
-    memory=MemoryNeed(decomposes=False, wide_sample_rows=True), style=dict(color="tab:purple", marker="D")))
+    memory=MemoryNeed(decomposes=False, wide_sample_rows=True), style=dict(color="tab:purple", marker="D"),
+    moe_steps=(moe.STEP,)))

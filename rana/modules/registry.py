@@ -20,12 +20,13 @@ import torch
 import torch.nn as nn
 
 from .cats import CatsActivation
+from .experts import InputSparseExperts
 from .neuron_linear import InputSparseHead, InputSparseLinear, NeuronThresholdLinear, SparseLowRankLinear
 from .rank_linear import RankAdapterLinear, RankSliceLinear, SharedRankCode
 from .rotation import RotatedInput
 
 ADAPTER_CLASSES = (RankAdapterLinear, SharedRankCode, RankSliceLinear, NeuronThresholdLinear, SparseLowRankLinear,
-                   InputSparseHead, InputSparseLinear, CatsActivation, RotatedInput)
+                   InputSparseHead, InputSparseLinear, CatsActivation, RotatedInput, InputSparseExperts)
 ADAPTER_KINDS: dict[str, type] = {cls.spec_type: cls for cls in ADAPTER_CLASSES}
 FIELD_KINDS = ("size", "count", "flag", "threshold", "head_threshold", "adapter")
 
