@@ -15,6 +15,13 @@ _LAZY = {
 }
 
 
+# quant_method "rana" in transformers' quantizer table, once transformers loads it (rana.hf_hook: no
+# torch, no transformers imported here)
+from . import hf_hook as _hf_hook  # noqa: E402
+
+_hf_hook.install()
+
+
 def __getattr__(name: str):
     if name in _LAZY:
         import importlib

@@ -130,7 +130,8 @@ ISOLATED = textwrap.dedent(r'''
 
 def isolated_env(tmp: Path) -> dict:
     env = {k: v for k, v in os.environ.items() if not k.startswith("PYTHON")}
-    env.update(HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", HF_MODULES_CACHE=str(tmp / "hf_modules"),
+    # RANA_NO_HF_HOOK: site-packages' rana-hf-quantizer.pth would import rana at start-up (rana.hf_hook)
+    env.update(HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", RANA_NO_HF_HOOK="1", HF_MODULES_CACHE=str(tmp / "hf_modules"),
                TOKENIZERS_PARALLELISM="false")
     return env
 
@@ -188,7 +189,7 @@ def exported(tmp_path_factory):
     for name, case in CASES.items():
         src, out = tmp / f"{name}_rana", tmp / f"{name}_export"
         build_case(name, src)
-        export(src, out, max_shard_size=case[4])
+        export(src, out, max_shard_size=case[4], format="remote-code")  # the quantizer format: test_quantizer.py
         dirs[name] = (src, out)
     results = run_isolated({k: v[1] for k, v in dirs.items()}, tmp)
     return dirs, results

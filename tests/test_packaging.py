@@ -32,3 +32,7 @@ def test_wheel_maps_cli_and_kernels_under_rana(tmp_path):
     assert res.stdout.strip().startswith(str(target))
     entry = next(n for n in names if n.endswith("entry_points.txt"))
     assert "rana = rana.cli.app:main" in zipfile.ZipFile(wheel).read(entry).decode()
+    # the start-up hook that registers the transformers quantizer sits at site-packages' root
+    from rana.hf_hook import PTH, PTH_LINE
+
+    assert PTH in names and zipfile.ZipFile(wheel).read(PTH).decode() == PTH_LINE

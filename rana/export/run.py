@@ -37,7 +37,10 @@ from safetensors.torch import save_file
 from .. import io as rana_io
 from ..io.card import write_export_card
 from ..io.paths import check_output
+from ..quantizer import WEIGHTS_GUARD, quantization_config_dict
 from .render import CONFIG_FILE, MODELING_FILE, render_sources
+
+FORMATS = ("quantizer", "remote-code")  # the first is the default
 
 # rana-folder files that describe the rana format itself, not the exported model
 _NOT_COPIED = {"config.json", "rana_config.json", "model.safetensors", "model.safetensors.index.json"}
@@ -119,6 +122,24 @@ def exported_config(meta: dict, config, model_cls: type) -> dict:
     return dict(sorted(out.items()))
 
 
+def quantizer_format_config(meta: dict, config, model_cls: type) -> dict:
+    """config.json of a quantizer-format export: the stock config (model type, architectures: what
+    `transformers serve` and vLLM resolve) plus quantization_config {"quant_method": "rana", ...}
+    (`rana.quantizer`), the weights guard plain transformers stops on without rana, and the auto_map
+    of the shipped remote code (the fallback with trust_remote_code=True)."""
+    remote = exported_config(meta, config, model_cls)
+    out = json.loads(config.to_json_string(use_diff=True))
+    out.update({
+        "architectures": [model_cls.__name__],
+        "auto_map": remote["auto_map"],
+        "dtype": remote["dtype"],
+        "torch_dtype": remote["torch_dtype"],
+        "quantization_config": quantization_config_dict(meta, _rana_version()),
+        "transformers_weights": WEIGHTS_GUARD,
+    })
+    return dict(sorted(out.items()))
+
+
 def _rana_version() -> str | None:
     try:
         return version("rana")
@@ -127,14 +148,20 @@ def _rana_version() -> str | None:
 
 
 def export(src_dir: str | Path, out_dir: str | Path, *, overwrite: bool = False,
-           max_shard_size: int | str = "2GB") -> Path:
-    """Write the rana folder `src_dir` as a plain-transformers remote-code folder `out_dir`.
+           max_shard_size: int | str = "2GB", format: str = FORMATS[0]) -> Path:
+    """Write the rana folder `src_dir` as a folder `out_dir` that plain transformers loads.
+
+    `format` "quantizer": the stock model class with quant_method "rana" (`rana.quantizer`; needs
+    rana installed, no remote code), the remote code shipped as the fallback; "remote-code": a
+    model type of its own, loaded with trust_remote_code=True and without rana.
 
     Atomic: `out_dir` appears complete or not at all. Raises ValueError for a source that is not
     a rana folder, an output name with a '.', or out == src; OutputExistsError (a ValueError)
     when `out_dir` exists and `overwrite` is False.
     """
     src, out = Path(src_dir), Path(out_dir)
+    if format not in FORMATS:
+        raise ValueError(f"unknown export format '{format}'; choose one of {', '.join(FORMATS)}")
     _check_out_name(out)
     if not rana_io.is_rana_dir(src):
         raise ValueError(f"'{src}' is not a rana folder (no {rana_io.RANA_CONFIG}); produce one with `rana compress`")
@@ -152,7 +179,8 @@ def export(src_dir: str | Path, out_dir: str | Path, *, overwrite: bool = False,
                 shutil.copy2(f, tmp / f.name)
         for name, text in sources.items():
             (tmp / name).write_text(text, encoding="utf-8")
-        config = exported_config(meta, model.config, type(model))
+        write_config = quantizer_format_config if format == "quantizer" else exported_config
+        config = write_config(meta, model.config, type(model))
         (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")
         write_export_card(tmp, src, out.name)  # README.md (model card, library transformers) + recipe.json
     return out

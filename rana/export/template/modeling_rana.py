@@ -16,10 +16,12 @@ the `rana` package's own sources, shipped next to this file.
 """
 from __future__ import annotations
 
+import copy
 import math
 
 import torch
 import torch.nn as nn
+from transformers import PretrainedConfig
 from transformers import PreTrainedModel as _StockForCausalLM  # rana:stock-model-import
 
 from .archspec import SPEC, set_submodule
@@ -36,6 +38,23 @@ from .rotation import RotatedInput
 RANA_CONFIG = "config.json (rana_adapters)"  # named in install_empty_adapters' error message
 
 # rana:install-empty-adapters
+
+def _from_quantizer_format(config):
+    """A quantizer-format config.json (`rana export --format quantizer`: the adapters in
+    quantization_config, quant_method "rana") read the remote-code way: the adapters and LAuReL moved
+    to rana_adapters / rana_laurel, the quantization_config dropped (this class builds the adapters
+    itself) and the weights guard meant for plain transformers without rana forgotten."""
+    qc = getattr(config, "quantization_config", None)
+    qc = qc.to_dict() if hasattr(qc, "to_dict") else qc
+    if not isinstance(qc, dict) or qc.get("quant_method") != "rana":
+        return config
+    config = copy.deepcopy(config)
+    config.rana_adapters, config.rana_laurel = list(qc.get("adapters") or []), qc.get("laurel")
+    del config.quantization_config
+    if hasattr(config, "transformers_weights"):
+        del config.transformers_weights
+    return config
+
 
 _ADAPTERS_WITH_LINEARS = (RankAdapterLinear, SharedRankCode, RankSliceLinear, NeuronThresholdLinear, InputSparseLinear,
                           SparseLowRankLinear)
@@ -54,6 +73,8 @@ class RanaForCausalLM(_StockForCausalLM):
 
     @classmethod
     def from_pretrained(cls, *args, **kwargs):
+        if isinstance(kwargs.get("config"), PretrainedConfig):
+            kwargs["config"] = _from_quantizer_format(kwargs["config"])
         loaded = super().from_pretrained(*args, **kwargs)
         (loaded[0] if isinstance(loaded, tuple) else loaded).rana_finalize()
         return loaded

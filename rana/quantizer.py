@@ -1,0 +1,156 @@
+"""A transformers quantizer for rana folders: ``quantization_config = {"quant_method": "rana", ...}``.
+
+An export in the quantizer format (`rana export --format quantizer`) keeps the stock ``model_type``
+and ``architectures`` in config.json and records the adapters there the way AWQ / GPTQ checkpoints
+record their quantization::
+
+    "quantization_config": {"quant_method": "rana", "format_version": 1, "rana_version": "0.1.0",
+                            "adapters": [...rana_config.json's adapters...], "laurel": {...} | null}
+
+With this module registered (`rana.hf_hook` registers it when transformers' quantizer table is
+imported, in any process where rana is installed), ``AutoModelForCausalLM.from_pretrained(folder)``
+builds the stock class, and the quantizer swaps in empty adapters of the recorded shapes (the
+adapter registry `rana.modules.registry`, as `rana.load` does) before transformers loads every
+weight by its ordinary key; afterwards the decode layouts, column norms, thresholds and decode groups
+are put right as `rana.load` leaves them.
+
+Without rana, transformers only warns about an unknown quant_method and would load the stock model
+with random projections. The export therefore also writes ``transformers_weights`` (the config
+field that names the weight file) as a sentence saying to `pip install rana`: plain transformers
+stops on it with one line, this quantizer clears it before the weights are looked up, and the
+shipped remote code (the fallback with ``trust_remote_code=True``) clears it too.
+"""
+from __future__ import annotations
+
+import importlib
+
+import torch
+import torch.nn as nn
+from transformers.quantizers.base import HfQuantizer
+from transformers.utils.quantization_config import QuantizationConfigMixin
+
+from .archs import get_arch
+from .modules import NeuronThresholdLinear, link_decode_groups
+from .modules.common import restore_layouts
+from .modules.laurel import LaurelConfig, apply_laurel
+from .modules.neuron_linear import InputSparseHead
+from .modules.registry import ADAPTER_CLASSES
+
+QUANT_METHOD = "rana"
+# what plain transformers prints (after "...neither a safetensors file ... nor an index file:") when rana is absent
+WEIGHTS_GUARD = ("this model was compressed with rana: `pip install rana` to load it with its quantizer "
+                 "(or pass trust_remote_code=True to run the code shipped in the folder)")
+FP32_BUFFERS = ("threshold", "column_norms")  # masks compare against these: never rounded to bf16 / fp16
+
+
+class RanaQuantizationConfig(QuantizationConfigMixin):
+    """What config.json's quantization_config records: the adapters, LAuReL and the format version."""
+
+    def __init__(self, adapters: list | None = None, laurel: dict | None = None, format_version: int | None = None,
+                 rana_version: str | None = None, **_ignored):
+        self.quant_method = QUANT_METHOD
+        self.format_version = format_version
+        self.rana_version = rana_version
+        self.adapters = list(adapters or [])
+        self.laurel = dict(laurel) if laurel else None
+
+    def to_dict(self) -> dict:
+        return {"quant_method": QUANT_METHOD, "format_version": self.format_version,
+                "rana_version": self.rana_version, "adapters": self.adapters, "laurel": self.laurel}
+
+
+def quantization_config_dict(meta: dict, rana_version: str | None) -> dict:
+    """config.json's quantization_config for a rana folder's rana_config.json `meta`."""
+    return RanaQuantizationConfig(meta["adapters"], meta.get("laurel") or None, meta.get("format_version"),
+                                  rana_version).to_dict()
+
+
+def drop_weights_guard(config):
+    """Forget the guard file name (`WEIGHTS_GUARD`) so transformers finds the real weights."""
+    if getattr(config, "transformers_weights", None) == WEIGHTS_GUARD:
+        del config.transformers_weights
+    return config
+
+
+def prepare_model(model: nn.Module, qconfig: RanaQuantizationConfig) -> None:
+    """Before the weights load (the model on the meta device): empty adapters of the recorded shapes,
+    LAuReL residuals, and thresholds kept float32 whatever dtype the rest loads in."""
+    from .io.format import install_empty_adapters  # rana.io imports transformers' auto classes: not at import
+
+    dtype = next(model.parameters()).dtype
+    install_empty_adapters(model, qconfig.adapters, dtype)
+    if qconfig.laurel:
+        apply_laurel(model, LaurelConfig.from_dict(dict(qconfig.laurel)))
+    strict = list(getattr(model, "_keep_in_fp32_modules_strict", None) or [])
+    model._keep_in_fp32_modules_strict = strict + [b for b in FP32_BUFFERS if b not in strict]
+
+
+@torch.no_grad()
+def finalize_model(model: nn.Module, qconfig: RanaQuantizationConfig) -> nn.Module:
+    """After the weights load: every adapter as `rana.load` leaves it (decode layouts, float32
+    thresholds checked against the recorded ones, fresh column norms and meters, decode groups)."""
+    from .io.folder import check_thresholds  # (see prepare_model)
+
+    adapters = tuple(ADAPTER_CLASSES)
+    for module in model.modules():
+        if not isinstance(module, adapters):
+            continue
+        restore_layouts(module)
+        for name in FP32_BUFFERS:
+            buf = module._buffers.get(name)
+            if buf is not None and buf.dtype != torch.float32:
+                module._buffers[name] = buf.float()
+        if isinstance(module, NeuronThresholdLinear):
+            module.refresh_norms()
+        elif isinstance(module, InputSparseHead) and module.weight is not model.get_input_embeddings().weight:
+            module.column_major_()  # an untied head's own weight (a tied one stays the embedding's)
+        if hasattr(module, "reset_meter"):
+            module.reset_meter()  # the meter's counters were made on the meta device
+    check_thresholds(model, qconfig.adapters, getattr(model.config, "name_or_path", "") or "the checkpoint")
+    link_decode_groups(model, get_arch(model.config))
+    return model
+
+
+class RanaHfQuantizer(HfQuantizer):
+    """Loads rana exports into the stock model class (weights already compressed: nothing to calibrate)."""
+
+    requires_calibration = True  # rana compresses with `rana compress`, not inside from_pretrained
+
+    def update_attn_implementation(self, config):  # transformers >= 5.2x: sees the config before the weights
+        return drop_weights_guard(config)
+
+    def update_tp_plan(self, config):  # transformers 5.17: the same moment
+        return drop_weights_guard(config)
+
+    def _process_model_before_weight_loading(self, model, **kwargs):
+        prepare_model(model, self.quantization_config)
+        return model
+
+    def _process_model_after_weight_loading(self, model, **kwargs):
+        return finalize_model(model, self.quantization_config)
+
+    def is_serializable(self, *args, **kwargs) -> bool:
+        return True
+
+    @property
+    def is_trainable(self) -> bool:
+        return False
+
+
+def register() -> None:
+    """Add quant_method "rana" to transformers' tables (once; a second call changes nothing)."""
+    # not `from transformers.quantizers import auto`: this runs right after that module executed, inside
+    # transformers' own imports, before the package attribute is set
+    auto = importlib.import_module("transformers.quantizers.auto")
+    if QUANT_METHOD not in auto.AUTO_QUANTIZATION_CONFIG_MAPPING:
+        auto.register_quantization_config(QUANT_METHOD)(RanaQuantizationConfig)
+    if QUANT_METHOD not in auto.AUTO_QUANTIZER_MAPPING:
+        auto.register_quantizer(QUANT_METHOD)(RanaHfQuantizer)
+
+
+__all__ = ["QUANT_METHOD", "WEIGHTS_GUARD", "RanaQuantizationConfig", "RanaHfQuantizer", "quantization_config_dict",
+           "drop_weights_guard", "prepare_model", "finalize_model", "register"]
+
+# Importing this module registers it: rana.hf_hook's call can come while this module is itself half
+# imported (its `transformers.quantizers.base` import runs transformers' quantizers/__init__ and so the hook).
+register()
