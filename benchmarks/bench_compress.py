@@ -1,11 +1,13 @@
-"""`rana compress` on SmolLM2-135M at F = 0.85 / 0.70 / 0.58: wall time, peak memory, measured
-FLOPs, held-out perplexity vs dense (no fine-tuning). Each compression runs as its own `rana
-compress` process so its peak resident memory is its own.
+"""`rana compress` of a real model (default SmolLM2-135M) at F = 0.85 / 0.70 / 0.58: wall time, peak
+memory, measured FLOPs, held-out perplexity vs dense (no fine-tuning), and with --latency the batch-1
+CPU decode time against dense (the harness of `rana eval --latency`, interleaved in one process).
+Each compression runs as its own `rana compress` process so its peak resident memory is its own.
 
-    python benchmarks/bench_compress.py [--flops 0.85,0.7,0.58] [--method rana] [--eval-tokens 32768]
+    python benchmarks/bench_compress.py [--model smollm2-135m] [--flops 0.85,0.7,0.58] [--method rana]
+    python benchmarks/bench_compress.py --model qwen2.5-coder-1.5b --flops 0.7,0.58 --latency   # make models first
 
-Writes benchmarks/results/compress_smollm2.{md,json}. Calibration: pydoc_calib.txt; measured on
-pydoc_heldout.txt and shakespeare.txt (never calibrated on).
+Writes benchmarks/results/compress_<model>.{md,json} (SmolLM2: compress_smollm2). Calibration:
+pydoc_calib.txt; measured on pydoc_heldout.txt and shakespeare.txt (never calibrated on).
 """
 from __future__ import annotations
 
@@ -39,8 +41,8 @@ sys.exit(code)
 """
 
 
-def run_compress(flops: float, method: str, out: Path, extra: list[str]) -> dict:
-    cmd = [sys.executable, "-c", CHILD, "compress", "smollm2-135m", "--flops", str(flops), "--method", method,
+def run_compress(model: str, flops: float, method: str, out: Path, extra: list[str]) -> dict:
+    cmd = [sys.executable, "-c", CHILD, "compress", model, "--flops", str(flops), "--method", method,
            "--dataset", str(DATA / "pydoc_calib.txt"), "--out", str(out), "--overwrite", *extra]
     t0 = time.perf_counter()
     res = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "HF_HUB_OFFLINE": "1"})
@@ -51,9 +53,20 @@ def run_compress(flops: float, method: str, out: Path, extra: list[str]) -> dict
     return {"wall_s": wall, "peak_rss_gb": peak_kb / 1e6}
 
 
+def _latency(model, dense, tok, new_tokens: int) -> dict:
+    """Batch-1 greedy decoding, compressed and dense interleaved in one process (eager: the CPU default)."""
+    from rana.evaluation import measure_latency
+
+    r = measure_latency(model, tok, dense, new_tokens=new_tokens, repeats=3, warmup=1)
+    return {"decode_latency_ratio": r["decode_latency_ratio"], "decode_path": r["decode_path"]}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
+    ap.add_argument("--model", default="smollm2-135m", help="alias, folder or .gguf (default smollm2-135m)")
     ap.add_argument("--flops", default="0.85,0.7,0.58")
+    ap.add_argument("--latency", action="store_true", help="also time batch-1 CPU decoding against dense")
+    ap.add_argument("--latency-tokens", type=int, default=32)
     ap.add_argument("--method", default="rana")
     ap.add_argument("--eval-tokens", type=int, default=32768)
     ap.add_argument("--work", default=None, help="folder for compressed models (default: a temp dir)")
@@ -69,38 +82,44 @@ def main() -> None:
     from rana.io.models import load_model
 
     work = Path(args.work or tempfile.mkdtemp(prefix="rana-bench-"))
-    dense, tok, _ = load_model("smollm2-135m")
+    dense, tok, _ = load_model(args.model)
     texts = {name: tokenize_stream(load_texts(str(DATA / f"{name}.txt")), tok)[: args.eval_tokens]
              for name in ("pydoc_heldout", "shakespeare")}
     rows = [{"method": "dense", "target": 1.0, "measured_flops": 1.0,
              **{f"ppl_{k}": perplexity(dense, v, progress=False)["ppl"] for k, v in texts.items()}}]
-    del dense
+    if not args.latency:
+        del dense
     load_avg = os.getloadavg()[0]
+    slug = "smollm2" if args.model == "smollm2-135m" else Path(args.model).name.replace(".", "p").lower()
     for f in [float(x) for x in args.flops.split(",")]:
-        out = work / f"smol_{args.method}_{int(f * 100)}"
-        cost = run_compress(f, args.method, out, args.extra)
+        out = work / f"{slug}_{args.method}_{int(f * 100)}"
+        cost = run_compress(args.model, f, args.method, out, args.extra)
         plan = json.loads((out / "plan.json").read_text())
         model, _ = load(out)
         with torch.no_grad():
             ppl = {f"ppl_{k}": perplexity(model, v, progress=False)["ppl"] for k, v in texts.items()}
+        speed = _latency(model, dense, tok, args.latency_tokens) if args.latency else {}
         rows.append({"method": args.method, "target": f, "measured_flops": plan["measured_flops"], **cost,
-                     "compress_s_in_process": plan["wall_time_s"], **ppl})
+                     "compress_s_in_process": plan["wall_time_s"], **ppl, **speed})
         print(rows[-1], flush=True)
-    meta = {"model": "smollm2-135m (SmolLM2-135M-Instruct Q4_1 GGUF, dequantised to fp32)",
+        del model
+    meta = {"model": args.model + (" (SmolLM2-135M-Instruct Q4_1 GGUF, dequantised to fp32)"
+                                   if args.model == "smollm2-135m" else ""),
             "calibration": "pydoc_calib.txt, 32768 tokens (default), seq 512",
             "eval": f"first {args.eval_tokens} tokens of each text, non-overlapping 512-token windows",
             "machine": f"{os.cpu_count()} CPU cores; 1-min load average at start {load_avg:.1f} "
                        "(other jobs shared the machine: wall times are upper bounds)",
             "extra_args": args.extra}
     RESULTS.mkdir(parents=True, exist_ok=True)
-    stem = RESULTS / f"compress_smollm2{args.tag}"
+    stem = RESULTS / f"compress_{slug}{args.tag}"
     stem.with_suffix(".json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=2))
-    lines = ["| method | target F | measured F | wall (s) | peak RSS (GB) | ppl pydoc_heldout | ppl shakespeare |",
-             "|---|---|---|---|---|---|---|"]
+    lines = ["| method | target F | measured F | wall (s) | peak RSS (GB) | ppl pydoc_heldout | ppl shakespeare "
+             "| decode time / dense |", "|---|---|---|---|---|---|---|---|"]
     for r in rows:
         lines.append(f"| {r['method']} | {r['target']:.2f} | {r['measured_flops']:.4f} | "
                      f"{r.get('wall_s', float('nan')):.0f} | {r.get('peak_rss_gb', float('nan')):.2f} | "
-                     f"{r['ppl_pydoc_heldout']:.2f} | {r['ppl_shakespeare']:.2f} |")
+                     f"{r['ppl_pydoc_heldout']:.2f} | {r['ppl_shakespeare']:.2f} | "
+                     f"{r.get('decode_latency_ratio', float('nan')):.3f} |")
     stem.with_suffix(".md").write_text("\n".join(lines) + "\n\n" + "\n".join(f"- {k}: {v}" for k, v in meta.items()) + "\n")
     print("\n".join(lines))
 

