@@ -88,7 +88,11 @@ def prepare_model(model: nn.Module, qconfig: RanaQuantizationConfig) -> None:
 @torch.no_grad()
 def finalize_model(model: nn.Module, qconfig: RanaQuantizationConfig) -> nn.Module:
     """After the weights load: every adapter as `rana.load` leaves it (decode layouts, float32
-    thresholds checked against the recorded ones, fresh column norms and meters, decode groups)."""
+    thresholds checked against the recorded ones, fresh column norms and meters, decode groups).
+
+    The column norms are those of the weights as loaded (bf16 / fp16 when asked for: the weights the
+    model multiplies with); `rana.load(folder, dtype=...)` builds in that dtype too and computes them
+    the same way, so both paths give the same masks, logits and tokens."""
     from .io.folder import check_thresholds  # (see prepare_model)
 
     adapters = tuple(ADAPTER_CLASSES)

@@ -1,28 +1,54 @@
-"""`rana export`: a rana folder → a folder that loads with plain transformers (remote code).
+"""`rana export`: a rana folder → a folder that loads with plain transformers, in one of two formats.
+
+``--format quantizer`` (the default) — the stock model class, no remote code, rana installed::
 
     from transformers import AutoModelForCausalLM
+    model = AutoModelForCausalLM.from_pretrained(out)            # dtype=, device_map= as usual
+
+config.json keeps the source's ``model_type`` and ``architectures`` (what ``transformers serve``,
+``lm_eval --model hf`` and vLLM resolve) and records the adapters the way AWQ / GPTQ checkpoints
+record their quantization: ``quantization_config = {"quant_method": "rana", "format_version",
+"rana_version", "adapters": [...rana_config.json's adapters...], "laurel": {...} | null}``.
+`rana.quantizer`, registered in every process where rana is installed (imported, or through the
+start-up hook `rana.hf_hook` / ``rana-hf-quantizer.pth``, so a process that never imports rana
+still knows quant_method "rana"), swaps in the adapters before the weights load and leaves the
+modules, thresholds and decode groups as ``rana.io.load(src)`` builds them: the same logits and
+greedy tokens in fp32, bf16 and fp16. Without rana, plain transformers stops with one line saying
+to ``pip install rana`` (config.json's ``transformers_weights`` holds that sentence, not a file
+name); with ``trust_remote_code=True`` it runs the remote code shipped in the folder (``auto_map``)
+instead, which needs no rana.
+
+``--format remote-code`` — a model type of its own, loaded without the rana package::
+
     model = AutoModelForCausalLM.from_pretrained(out, trust_remote_code=True)
 
-works without the `rana` package installed and gives the same logits as ``rana.io.load(src)``.
+gives the same logits as ``rana.io.load(src)``; config.json has ``model_type`` ``rana_<type>``,
+``architectures`` ``Rana<Class>``, ``auto_map``, ``dtype``, ``rana_adapters`` (every adapter's path,
+type, shapes, rank and threshold, as in ``rana_config.json``) and ``rana_laurel`` (LAuReL settings or
+null). A class of its own cannot be served by ``transformers serve`` (it resolves
+``architectures[0]`` on the transformers module) and needs the flag many deployments forbid.
 
-The output folder holds
+Both formats hold
 
-* ``config.json``: the source model's config with ``model_type`` ``rana_<type>``, ``architectures``,
-  ``auto_map``, ``dtype`` and ``rana_adapters`` (every adapter's path, type, shapes, rank and
-  threshold, as in ``rana_config.json``) and ``rana_laurel`` (LAuReL settings or null);
-* the weights as safetensors, sharded past ``max_shard_size`` with ``model.safetensors.index.json``;
-* tokenizer files, ``generation_config.json`` and ``plan.json`` copied from the source folder;
-* the remote code: ``configuration_rana.py`` and ``modeling_rana.py`` (rendered from
+* ``config.json`` as above;
+* the weights as safetensors, keyed by the module paths of the model (adapters included), sharded
+  past ``max_shard_size`` with ``model.safetensors.index.json``;
+* tokenizer files, ``generation_config.json`` and ``plan.json`` copied from the source folder, and
+  a model card (``README.md``, ``recipe.json``);
+* the remote code (the whole model in the remote-code format, the fallback in the quantizer
+  format): ``configuration_rana.py`` and ``modeling_rana.py`` (rendered from
   ``rana/export/template/``) and *copies of the rana sources themselves* — the adapter modules
-  (``common.py``, ``rank_linear.py``, ``neuron_linear.py``, ``cats.py``), the masked-GEMV kernels
+  (``common.py``, ``rank_linear.py``, ``neuron_linear.py``, ``cats.py``, ``experts.py``, ``rotation.py``,
+  ``groups.py``, ``registry.py``), the masked-GEMV kernels
   (``masked_gemv.py``, ``triton_gemv.py`` (triton imported lazily and optionally), ``ops.py`` (the
-  torch.library ops the modules decode through) and ``cpu_gemv.py`` with the native CPU kernel's C source), LAuReL (``laurel.py``) and the architecture spec (``archspec.py``: the
-  ``ArchSpec`` machinery of ``rana.archs.base`` plus this model's spec) — with their imports of one
-  another rewritten to flat relative imports (``from ..kernels.masked_gemv import`` → ``from
-  .masked_gemv import``, ``from rana.archs import`` → ``from .archspec import``), so the same code
-  ships. Every shipped file is checked at export time: it may import only the standard library,
-  torch, transformers and the other shipped files (anything else only inside ``try``, e.g. triton):
-  see `rana.export.render`.
+  torch.library ops the modules decode through) and ``cpu_gemv.py`` with the native CPU kernel's C
+  source), LAuReL (``laurel.py``) and the architecture spec (``archspec.py``: the ``ArchSpec``
+  machinery of ``rana.archs.base`` plus this model's spec) — with their imports of one another
+  rewritten to flat relative imports (``from ..kernels.masked_gemv import`` → ``from .masked_gemv
+  import``, ``from rana.archs import`` → ``from .archspec import``), so the same code ships. Every
+  shipped file is checked at export time: it may import only the standard library, torch,
+  transformers and the other shipped files (anything else only inside ``try``, e.g. triton): see
+  `rana.export.render`.
 """
 from __future__ import annotations
 

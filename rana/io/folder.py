@@ -201,9 +201,17 @@ def load(path: Path | str, *, device: str = "cpu", dtype: torch.dtype | None = N
     except (OSError, ValueError) as e:
         raise ModelLoadError(f"'{path / 'config.json'}' is unreadable: {str(e).splitlines()[0]}") from None
     state = _load_weights(path)  # headers checked before the model is built
-    model = AutoModelForCausalLM.from_config(config, dtype=saved_dtype)
+    # Built in the dtype asked for and the weights cast as they are copied in, as
+    # `from_pretrained(folder, dtype=...)` does with a quantizer-format export (rana.quantizer): the
+    # same float32 buffers the stock class keeps (RoPE's inv_freq), and column norms computed below
+    # from the weights the model multiplies with, not from the float32 file (a cast after loading
+    # would round RoPE's frequencies and leave norms that flip a few masks in half precision).
+    if isinstance(dtype, str):
+        dtype = getattr(torch, dtype.removeprefix("torch."))
+    build_dtype = dtype if isinstance(dtype, torch.dtype) and dtype.is_floating_point else saved_dtype
+    model = AutoModelForCausalLM.from_config(config, dtype=build_dtype)
     try:
-        install_empty_adapters(model, meta["adapters"], saved_dtype)
+        install_empty_adapters(model, meta["adapters"], build_dtype)
     except (AttributeError, KeyError, TypeError, ValueError) as e:
         raise ModelLoadError(f"'{path / RANA_CONFIG}' does not fit the model in config.json "
                              f"({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})") from None
@@ -231,7 +239,7 @@ def load(path: Path | str, *, device: str = "cpu", dtype: torch.dtype | None = N
         if isinstance(m, NeuronThresholdLinear):
             m.refresh_norms()
     link_decode_groups(model, get_arch(config))  # q/k/v and gate/up adapters: one grouped decode launch
-    if dtype is not None:
+    if dtype is not None and dtype != build_dtype:  # (not again: .to() would round RoPE's float32 buffers)
         model = model.to(dtype)
     tokenizer = AutoTokenizer.from_pretrained(path) if (path / "tokenizer_config.json").exists() else None
     model.eval()
