@@ -6,7 +6,6 @@ import json
 import os
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -29,10 +28,8 @@ def suite(monkeypatch):
 def test_smoke_runs_every_section_and_lists_it(tmp_path):
     pytest.importorskip("triton")
     results = tmp_path / "r"
-    began = time.perf_counter()
     out = subprocess.run([sys.executable, str(SCRIPT), "--smoke", "--results", str(results)], cwd=REPO,
                          env={**os.environ, "HF_HUB_OFFLINE": "1"}, capture_output=True, text=True, timeout=170)
-    wall = time.perf_counter() - began
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     data = json.loads((results / "gpu_suite.json").read_text())
     assert [s["section"] for s in data["sections"]] == SECTIONS
@@ -45,7 +42,6 @@ def test_smoke_runs_every_section_and_lists_it(tmp_path):
         assert (results / f"{stem}.md").exists() and (results / f"{stem}.json").exists()
     assert "skipped" in (results / "gpu_tests.md").read_text()  # the CUDA tests only report their skips on CPU
     assert [line for line in out.stdout.splitlines() if line.startswith("[gpu_suite] ") and ": running" in line]
-    assert wall < 170
 
 
 def test_smoke_needs_results(suite):
@@ -75,12 +71,11 @@ def test_a_hanging_or_failing_section_does_not_stop_the_rest(suite, tmp_path, mo
                                             "broken": (0.2, broken),
                                             "fail": (0.2, child("raise SystemExit(3)")),
                                             "ok": (0.3, child("print('fine')"))})
-    began = time.perf_counter()
     assert suite.main(["--results", str(tmp_path), "--deadline", "100"]) == 1
     data = json.loads((tmp_path / "gpu_suite.json").read_text())
     assert [(s["section"], s["status"]) for s in data["sections"]] == [
         ("hang", "timeout"), ("broken", "fail"), ("fail", "fail"), ("ok", "pass")]
-    assert data["sections"][-1]["note"] == "fine" and time.perf_counter() - began < 30
+    assert data["sections"][-1]["note"] == "fine"
     # time the earlier sections left unused went to the later ones
     assert data["sections"][-1]["budget_s"] > 0.3 * 100
 
