@@ -46,7 +46,7 @@ from .masked_gemv import (expert_masked_gemv_dense, expert_masked_gemv_gather, m
 from .triton_gemv import (grouped_dense_gemv_triton, grouped_masked_gemv_triton, interpreting, kernels, sparsity_bin,
                           triton_available)
 
-__all__ = ["decode_masked", "decode_expert_masked", "decode_masked_grouped", "decode_dense_grouped", "masked_gemv_impl", "sparsity_bin", "DEFAULT_SPARSITY_BIN",
+__all__ = ["uses_triton", "decode_masked", "decode_expert_masked", "decode_masked_grouped", "decode_dense_grouped", "masked_gemv_impl", "sparsity_bin", "DEFAULT_SPARSITY_BIN",
            "HAS_TRITON", "OP_NAMES", "MODES"]
 
 MODES = ("none", "square", "abs_scaled", "abs")
@@ -174,6 +174,9 @@ _INTERPRET = interpreting() and os.environ.get("RANA_TRITON_ON_CPU") == "1"
 def _use_triton(v: torch.Tensor) -> bool:
     """CUDA with triton; CPU tensors only under TRITON_INTERPRET=1 in eager (tests of the kernel path)."""
     return HAS_TRITON and (v.is_cuda or (_INTERPRET and not torch.compiler.is_compiling()))
+
+
+uses_triton = _use_triton  # for callers that skip preparing a launch the CPU path would not make
 
 
 def decode_masked(w_t: torch.Tensor, v: torch.Tensor, threshold: torch.Tensor, mode: str,

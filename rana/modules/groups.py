@@ -25,7 +25,7 @@ import weakref
 import torch
 import torch.nn as nn
 
-from ..kernels.ops import decode_dense_grouped, decode_masked_grouped, sparsity_bin
+from ..kernels.ops import decode_dense_grouped, decode_masked_grouped, sparsity_bin, uses_triton
 from .neuron_linear import InputSparseLinear, NeuronThresholdLinear
 from .rank_linear import RankAdapterLinear, relink_shared_codes
 
@@ -80,7 +80,7 @@ class DecodeGroup:
         """The rank adapters' codes `B x` of every member in one launch where the Triton kernels run;
         Nones elsewhere (each member then applies its own B)."""
         none = [None] * len(members)
-        if self.mode != "square":
+        if self.mode != "square" or not uses_triton(x):  # checked first: CPU decoding runs this every token
             return none
         weights = [m.code_weight() for m in members]
         if any(w is None for w in weights):

@@ -9,10 +9,10 @@ from ..kernels.ops import decode_masked
 from .common import MacMeter, column_major_linear, decode_linear
 
 
-class NeuronThresholdLinear(MacMeter, nn.Module):
-    """`W (m ⊙ h)` with `m_i = 1{|h_i|·‖W[:, i]‖ ≥ t}` (RaNA's down projection, Eq. 12)."""
+class ThresholdedLinearSpec:
+    """The rana_config.json entry of an adapter that is one thresholded `linear` (its `spec_type` is the
+    class's own): in, out, bias, threshold, and the empty module of those shapes."""
 
-    spec_type = "neuron"
     spec_fields = {"in": "size", "out": "size", "bias": "flag", "threshold": "threshold"}
 
     def to_spec(self, root: nn.Module) -> dict:
@@ -20,8 +20,14 @@ class NeuronThresholdLinear(MacMeter, nn.Module):
                 "threshold": float(self.threshold)}
 
     @classmethod
-    def from_spec(cls, s: dict, zeros, threshold: float, **_) -> "NeuronThresholdLinear":
+    def from_spec(cls, s: dict, zeros, threshold: float, **_):
         return cls(zeros(s["out"], s["in"]), zeros(s["out"]) if s["bias"] else None, threshold)
+
+
+class NeuronThresholdLinear(ThresholdedLinearSpec, MacMeter, nn.Module):
+    """`W (m ⊙ h)` with `m_i = 1{|h_i|·‖W[:, i]‖ ≥ t}` (RaNA's down projection, Eq. 12)."""
+
+    spec_type = "neuron"
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, threshold: float):
         super().__init__()
@@ -68,19 +74,10 @@ class NeuronThresholdLinear(MacMeter, nn.Module):
         return f"in={self.in_features}, out={self.out_features}, threshold={float(self.threshold):.4g}"
 
 
-class InputSparseLinear(MacMeter, nn.Module):
+class InputSparseLinear(ThresholdedLinearSpec, MacMeter, nn.Module):
     """`W (m ⊙ x)` with `m_j = 1{|x_j| ≥ t}`: TEAL's training-free magnitude sparsity."""
 
     spec_type = "input_sparse"
-    spec_fields = {"in": "size", "out": "size", "bias": "flag", "threshold": "threshold"}
-
-    def to_spec(self, root: nn.Module) -> dict:
-        return {"in": self.in_features, "out": self.out_features, "bias": self.linear.bias is not None,
-                "threshold": float(self.threshold)}
-
-    @classmethod
-    def from_spec(cls, s: dict, zeros, threshold: float, **_) -> "InputSparseLinear":
-        return cls(zeros(s["out"], s["in"]), zeros(s["out"]) if s["bias"] else None, threshold)
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, threshold: float):
         super().__init__()
