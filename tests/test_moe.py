@@ -20,7 +20,7 @@ from rana.compress import compress_model
 from rana.io import save
 from rana.kernels.masked_gemv import expert_masked_gemv_gather, expert_masked_gemv_reference
 from rana.kernels.ops import decode_expert_masked
-from rana.math.moe import per_expert_thresholds, routed_tokens
+from rana.math.moe import per_expert_thresholds, routed_tokens, split_candidates
 from rana.methods import moe, names, unsupported_reason
 from rana.modules import InputSparseExperts
 from decode_harness import compiled_matches
@@ -247,3 +247,30 @@ def test_save_rana_load_in_a_fresh_process_and_export(tmp_path):
         with torch.no_grad():
             ref = model(PROMPT).logits
         assert _close(r["logits"], ref), arch
+
+
+def test_split_candidates_spend_the_budget_pure():
+    for f in (0.2, 0.5, 0.7, 0.95):
+        pairs = split_candidates(f, steps=8)
+        assert (f, f) in [(round(a, 6), round(b, 6)) for a, b in pairs] or any(abs(a - f) < 1e-6 for a, _ in pairs)
+        assert len(pairs) >= 5
+        for a, b in pairs:
+            assert 0.0 <= a <= 1.0 and 0.0 <= b <= 1.0
+            assert (2 * a + b) / 3 == pytest.approx(f, abs=1e-6)
+    assert split_candidates(1.0) == [(1.0, 1.0)]
+
+
+def test_the_default_searches_the_experts_split_and_teal_does_not():
+    _, _, rana = _compressed("qwen3_moe", method="rana", flops=0.6)
+    for layer in rana.plan["layers"]:
+        split = layer["mlp"]["components"]["experts"]["split"]
+        assert split["mode"] == "grid" and len(split["searched"]) >= 5
+        errors = {(r["in_keep"], r["down_keep"]): r["error"] for r in split["searched"]}
+        chosen = errors[(split["in_keep"], split["down_keep"])]
+        assert chosen == min(errors.values())
+        equal = [e for (a, b), e in errors.items() if abs(a - b) < 1e-6]  # the layer's own fraction on both
+        assert equal and chosen <= equal[0]  # never worse than the equal split on the held-aside tokens
+    assert rana.plan["measured_flops"] == pytest.approx(0.6, abs=0.02)
+    _, _, teal = _compressed("qwen3_moe", method="teal", flops=0.6)
+    split = teal.plan["layers"][0]["mlp"]["components"]["experts"]["split"]
+    assert split["mode"] == "equal" and split["searched"] == [] and split["in_keep"] == split["down_keep"]

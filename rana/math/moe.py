@@ -39,4 +39,19 @@ def per_expert_thresholds(scores: list[torch.Tensor], keep: float, min_tokens: i
     return thresholds, shared, fell_back
 
 
-__all__ = ["routed_tokens", "per_expert_thresholds"]
+def split_candidates(fraction: float, steps: int = 8) -> list[tuple[float, float]]:
+    """(gate/up keep, down keep) pairs that spend `fraction` of the experts' dense cost.
+
+    An expert's gate and up read its input (2·I·H MACs at full input), its down the hidden state
+    (I·H), so keeping a of the inputs and b of the hidden entries costs (2a + b)/3 of the dense
+    expert: every pair here has 2a + b = 3·fraction with a, b in [0, 1]. `steps` + 1 values of a,
+    evenly spaced over the feasible range, plus the equal split a = b = fraction."""
+    if fraction >= 1.0:
+        return [(1.0, 1.0)]
+    lo, hi = max(0.0, (3 * fraction - 1) / 2), min(1.0, 1.5 * fraction)
+    ins = sorted({round(lo + (hi - lo) * i / steps, 6) for i in range(steps + 1)} | {round(fraction, 6)})
+    pairs = [(a, min(1.0, max(0.0, 3 * fraction - 2 * a))) for a in ins]
+    return [(a, b) for a, b in pairs if a > 0.0 or b > 0.0]
+
+
+__all__ = ["routed_tokens", "per_expert_thresholds", "split_candidates"]

@@ -180,12 +180,13 @@ def rana_method(name: str, candidates: Candidates, description: str, style: dict
     steps = (Step(("qkv_in",), "qkv_in", moments("qkv_in"), partial(attention, candidates=candidates)), *o_step,
              Step(("mlp_in",), "mlp_in", moments("mlp_in"), partial(mlp, candidates=candidates), "mlp"))
     parts = ("q", "k", "v") + (("o",) if candidates.sparse else ()) + ("up", "gate", "down")
-    # mixtures of experts: magnitude-scored input sparsity per expert (no split search there); the
-    # variants that rank-decompose, score by column norms or add a low-rank path refuse them
+    # mixtures of experts: magnitude-scored input sparsity per expert, the experts' input vs down split
+    # searched where the MLP's is; the variants that rank-decompose, score by column norms or add a
+    # low-rank path refuse them
     magnitude_only = candidates.score == "magnitude" and not candidates.rank and not candidates.side
     return Method(name, parts, steps, min_fraction=0.02, description=description,
                   memory=MemoryNeed(grid_search=True), ablation=ablation, style=style, lm_head=lm_head,
-                  moe_steps=(moe.STEP,) if magnitude_only else ())
+                  moe_steps=((moe.SEARCHED_STEP if candidates.split == "grid" else moe.STEP),) if magnitude_only else ())
 
 
 # Why the default is input sparsity scored by |x_j| with the LM head adapted too, and not rank
