@@ -25,6 +25,11 @@ Semantics are those of ``masked_gemv`` (see masked_gemv.py): fp32 scores ``v*v``
 than ``limit`` inputs are active the kernel does not multiply: it writes the masked input to
 ``xm`` and the caller runs the dense GEMV on it (BLAS wins when nearly everything is active).
 
+int8 weights (:func:`masked_linear_native_int8`): the same scan, then the active int8 rows (a quarter of
+an fp32 row's bytes) converted to fp32 in the inner loop and accumulated in fp32, the per-output-channel
+scale applied once per column at the end: ``y = qscale ⊙ ((m ⊙ v) @ q_t) (+ bias)``. There is no int8
+BLAS to fall back to, so it always multiplies; with everything active it is the dense int8 GEMV.
+
 This file is self-contained (torch + stdlib) so it can be copied next to an exported model.
 """
 from __future__ import annotations
@@ -45,7 +50,8 @@ from pathlib import Path
 import torch
 
 __all__ = ["native_kernel", "native_status", "masked_gemv_native", "masked_linear_native", "native_limit", "MODE_IDS",
-           "dense_streak", "reset_dense_streaks", "library_name", "BUILD_ATTEMPTS", "DENSE_STREAK"]
+           "native_kernel_int8", "masked_linear_native_int8", "masked_gemv_native_int8", "dense_streak",
+           "reset_dense_streaks", "library_name", "BUILD_ATTEMPTS", "DENSE_STREAK"]
 
 MODE_IDS = {"none": 0, "square": 1, "abs_scaled": 2, "abs": 3}
 _ABS_SCALED, _ABS = MODE_IDS["abs_scaled"], MODE_IDS["abs"]
@@ -138,6 +144,71 @@ int64_t rana_masked_gemv_f32(const float* __restrict w, const float* __restrict 
     }
 #endif
     rana_accumulate(w, x, idx, n, ldw, 0, N, y);
+    return n;
+}
+
+/* The int8-weight variant: w holds K rows of N int8 (row stride ldw), qscale N per-column fp32 scales:
+   y = qscale * sum over active k of x[k] * w[k, :]  (+ bias), fp32 accumulation, the scale applied once
+   per column at the end. An int8 row is a quarter of an fp32 row's bytes. There is no BLAS to hand a
+   mostly active input to, so every call multiplies (mode 0, everything active, is the dense int8 GEMV).
+   idx: scratch for K int32 active indices. Returns the active count. */
+static inline void rana_prefetch_i8(const int8_t* r, int64_t width) {
+    int64_t lines = (width + 63) / 64;
+    if (lines > PREFETCH_LINES) lines = PREFETCH_LINES;
+    for (int64_t l = 0; l < lines; ++l) __builtin_prefetch(r + l * 64, 0, 3);
+}
+
+static void rana_accumulate_i8(const int8_t* __restrict w, const float* __restrict qscale,
+                               const float* __restrict x, const int32_t* __restrict idx, int64_t n, int64_t ldw,
+                               int64_t j0, int64_t j1, const float* __restrict bias, float* __restrict y) {
+    const int64_t width = j1 - j0;
+    const int8_t* wj = w + j0;
+    float* yj = y + j0;
+    for (int64_t j = 0; j < width; ++j) yj[j] = 0.0f;
+    for (int64_t p = 0; p < PREFETCH_ROWS && p < n; ++p) rana_prefetch_i8(wj + idx[p] * ldw, width);
+    int64_t i = 0;
+    for (; i + 4 <= n; i += 4) {
+        for (int64_t p = i + PREFETCH_ROWS; p < i + PREFETCH_ROWS + 4 && p < n; ++p)
+            rana_prefetch_i8(wj + idx[p] * ldw, width);
+        const int8_t *r0 = wj + idx[i] * ldw, *r1 = wj + idx[i + 1] * ldw;
+        const int8_t *r2 = wj + idx[i + 2] * ldw, *r3 = wj + idx[i + 3] * ldw;
+        const float a0 = x[idx[i]], a1 = x[idx[i + 1]], a2 = x[idx[i + 2]], a3 = x[idx[i + 3]];
+        for (int64_t j = 0; j < width; ++j)
+            yj[j] += a0 * (float)r0[j] + a1 * (float)r1[j] + a2 * (float)r2[j] + a3 * (float)r3[j];
+    }
+    for (; i < n; ++i) {
+        const int8_t* r = wj + idx[i] * ldw;
+        const float a = x[idx[i]];
+        for (int64_t j = 0; j < width; ++j) yj[j] += a * (float)r[j];
+    }
+    const float* sj = qscale + j0;
+    if (bias) {
+        const float* bj = bias + j0;
+        for (int64_t j = 0; j < width; ++j) yj[j] = yj[j] * sj[j] + bj[j];
+    } else {
+        for (int64_t j = 0; j < width; ++j) yj[j] *= sj[j];
+    }
+}
+
+int64_t rana_masked_gemv_i8(const int8_t* __restrict w, const float* __restrict qscale, const float* __restrict x,
+                            int64_t K, int64_t N, int64_t ldw, float t, int mode, const float* __restrict scale,
+                            const float* __restrict bias, float* __restrict y, int32_t* __restrict idx, int threads) {
+    int64_t n = 0;
+    for (int64_t k = 0; k < K; ++k)
+        if (rana_active(x[k], t, mode, scale, k)) idx[n++] = (int32_t)k;
+#ifdef _OPENMP
+    if (threads > 1 && N >= 128 * threads) {
+        #pragma omp parallel num_threads(threads)
+        {
+            const int64_t nt = omp_get_num_threads(), tid = omp_get_thread_num();
+            const int64_t chunk = ((N + nt - 1) / nt + 63) / 64 * 64;  /* whole cache lines of int8 */
+            const int64_t j0 = tid * chunk, j1 = j0 + chunk < N ? j0 + chunk : N;
+            if (j0 < j1) rana_accumulate_i8(w, qscale, x, idx, n, ldw, j0, j1, bias, y);
+        }
+        return n;
+    }
+#endif
+    rana_accumulate_i8(w, qscale, x, idx, n, ldw, 0, N, bias, y);
     return n;
 }
 """
@@ -295,6 +366,10 @@ def _load() -> tuple[object | None, str]:
         p, i64 = ctypes.c_void_p, ctypes.c_int64
         fn.argtypes = [p, p, i64, i64, i64, ctypes.c_float, ctypes.c_int, p, p, p, i64, p, ctypes.c_int]
         fn.restype = i64
+        fn_i8 = lib.rana_masked_gemv_i8
+        fn_i8.argtypes = [p, p, p, i64, i64, i64, ctypes.c_float, ctypes.c_int, p, p, p, p, ctypes.c_int]
+        fn_i8.restype = i64
+        _INT8_KERNEL[id(fn)] = (fn, fn_i8)  # the same library's int8 entry point (see native_kernel_int8)
         threading_note = "OpenMP" if OPENMP_FLAG in flags else "single-threaded"
         return fn, f"native ({os.path.basename(compiler)} {' '.join(flags[:2])}, {threading_note}){note}"
     return None, f"torch fallback (native kernel build failed: {error[:200]})"
@@ -422,6 +497,91 @@ def _float_below(t: float) -> float:
 @functools.lru_cache(maxsize=64)
 def _out_shape(dim: int, N: int) -> tuple[int, ...]:
     return (1,) * (dim - 1) + (N,)
+
+
+# --------------------------------------------------------------------------------------------
+# int8 weights: y = qscale * ((m ⊙ v) @ q_t) (+ bias)
+# --------------------------------------------------------------------------------------------
+_INT8_KERNEL: dict = {}  # id(fp32 entry point) -> (it, its library's int8 entry point), filled by _load
+
+
+def native_kernel_int8():
+    """The compiled int8-weight kernel (a ctypes function), or None when the native library is unavailable."""
+    fn = _load()[0]
+    pair = None if fn is None else _INT8_KERNEL.get(id(fn))
+    return pair[1] if pair is not None and pair[0] is fn else None
+
+
+def _scratch_index(K: int) -> torch.Tensor:
+    """A per-thread int32 buffer of K entries: the C kernel's list of active rows."""
+    buffers = getattr(_scratch, "index", None)
+    if buffers is None:
+        buffers = _scratch.index = {}
+    buf = buffers.get(K)
+    if buf is None:
+        buf = buffers[K] = torch.empty(max(K, 1), dtype=torch.int32)
+    return buf
+
+
+def masked_linear_native_int8(q_t: torch.Tensor, qscale: torch.Tensor, v: torch.Tensor, threshold: float,
+                              mode_id: int, scale: torch.Tensor | None = None,
+                              bias: torch.Tensor | None = None) -> torch.Tensor | None:
+    """One token on CPU with int8 weights: ``qscale ⊙ ((m ⊙ v) @ q_t) (+ bias)`` as one native call.
+
+    ``q_t`` is the int8 weight (K, N) with unit stride along N (row k holds input k's N weights: a
+    skipped input skips one contiguous row of N bytes); ``qscale`` the (N,) fp32 per-output-channel
+    scales; ``v`` one token of K values (fp32, bf16 or fp16; scores and accumulation in fp32, the
+    output in v's dtype, shape ``(1,) * (v.dim() - 1) + (N,)``). ``mode_id`` is a value of
+    ``MODE_IDS`` (0: everything active, the dense int8 GEMV: there is no int8 BLAS to fall back to,
+    so the kernel multiplies whatever the active count); ``threshold`` a python float.
+
+    Returns None when the native library is unavailable or the inputs do not suit it (not one CPU
+    token, another layout or dtype, ``abs_scaled`` without scale, gradients wanted for v, under
+    torch.compile); the caller then takes its torch path (masked_gemv.masked_gemv_int8_torch).
+    """
+    fn = native_kernel_int8()
+    if fn is None:
+        return None
+    if q_t.dim() != 2 or q_t.dtype is not torch.int8 or not q_t.is_cpu or q_t.stride(1) != 1:
+        return None
+    K, N = q_t.shape
+    if v.numel() != K or not v.is_cpu or not v.is_floating_point() or qscale.numel() != N:
+        return None
+    if torch.compiler.is_compiling():
+        return None  # torch.compile cannot trace through the C call
+    if torch.is_grad_enabled() and v.requires_grad:
+        return None  # invisible to autograd: differentiable callers take the torch path
+    x = v if v.dtype is torch.float32 and v.is_contiguous() else v.reshape(K).float().contiguous()
+    if qscale.dtype is not torch.float32 or not qscale.is_contiguous():
+        qscale = qscale.reshape(N).float().contiguous()
+    if mode_id == _ABS_SCALED:
+        if scale is None or scale.numel() != K:
+            return None
+        if scale.dtype is not torch.float32 or not scale.is_contiguous():
+            scale = scale.reshape(K).float().contiguous()
+        scale_ptr = scale.data_ptr()
+    else:
+        scale_ptr = None
+    if bias is not None:
+        if bias.numel() != N:
+            return None
+        if bias.dtype is not torch.float32 or not bias.is_contiguous():
+            bias = bias.reshape(N).float().contiguous()
+    y = torch.empty(_out_shape(v.dim(), N), dtype=torch.float32)
+    fn(q_t.data_ptr(), qscale.data_ptr(), x.data_ptr(), K, N, q_t.stride(0) if K > 1 else N, threshold, mode_id,
+       scale_ptr, None if bias is None else bias.data_ptr(), y.data_ptr(), _scratch_index(K).data_ptr(),
+       torch.get_num_threads())
+    return y if v.dtype is torch.float32 else y.to(v.dtype)
+
+
+def masked_gemv_native_int8(q_t: torch.Tensor, qscale: torch.Tensor, v: torch.Tensor, threshold: float, mode: str,
+                            scale: torch.Tensor | None = None,
+                            bias: torch.Tensor | None = None) -> torch.Tensor | None:
+    """:func:`masked_linear_native_int8` with masked_gemv's mode names ("none", "square", "abs_scaled", "abs")."""
+    mode_id = MODE_IDS.get(mode)
+    if mode_id is None:
+        return None
+    return masked_linear_native_int8(q_t, qscale, v, threshold, mode_id, scale=scale, bias=bias)
 
 
 def masked_gemv_native(w_t: torch.Tensor, v: torch.Tensor, threshold: float, mode: str,

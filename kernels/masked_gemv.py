@@ -22,6 +22,15 @@ Entry points
                            rows through embedding_bag.
     masked_gemv_dense      ``(v * mask) @ w_t`` over any leading dims, sync-free on every device.
     masked_gemv_reference  plain fp32 reference.
+    masked_gemv_int8*      the same entry points for int8 weights (see "int8 weights" below).
+
+int8 weights: ``q_t`` int8 (K, N) row-major with per-output-channel fp32 scales ``qscale`` (N,):
+
+    y = qscale ⊙ ((m ⊙ v) @ q_t)  (+ bias)
+
+with the same masks (plus mode="none": everything active, the dense int8 GEMV), fp32 accumulation
+and the scale applied once to the accumulated sums. A kept int8 row is a quarter of an fp32 row's
+bytes, and a batch-1 decode is memory bound: the one-token paths read only the kept int8 rows.
 
 This file and its sibling cpu_gemv.py are self-contained (torch + stdlib; triton imported lazily
 and optionally) so they can be copied next to an exported model and imported on machines
@@ -34,9 +43,9 @@ import math
 
 import torch
 
-from .triton_gemv import grouped_masked_gemv_triton, interpreting as _interpreting
+from .triton_gemv import grouped_masked_gemv_int8_triton, grouped_masked_gemv_triton, interpreting as _interpreting
 from .triton_gemv import triton_available as _triton_available
-from .cpu_gemv import masked_gemv_native
+from .cpu_gemv import masked_gemv_native, masked_gemv_native_int8
 
 __all__ = [
     "expert_masked_gemv_dense",
@@ -47,6 +56,12 @@ __all__ = [
     "masked_gemv_reference",
     "masked_gemv_torch",
     "masked_gemv_triton",
+    "masked_gemv_int8",
+    "masked_gemv_int8_dense",
+    "masked_gemv_int8_gather",
+    "masked_gemv_int8_reference",
+    "masked_gemv_int8_torch",
+    "masked_gemv_int8_triton",
     "triton_available",
     "MODES",
 ]
@@ -249,6 +264,123 @@ def masked_gemv(w_t, v, threshold, *, mode: str, scale=None, bias=None) -> torch
     if v.is_cuda and w_t.is_cuda and triton_available():
         return masked_gemv_triton(w_t, v, threshold, mode=mode, scale=scale, bias=bias)
     return masked_gemv_torch(w_t, v, threshold, mode=mode, scale=scale, bias=bias)
+
+
+# --------------------------------------------------------------------------------------------
+# int8 weights: y = qscale * ((m ⊙ v) @ q_t) (+ bias)
+# --------------------------------------------------------------------------------------------
+INT8_MODES = ("none",) + MODES
+
+
+def _check_int8(q_t: torch.Tensor, qscale: torch.Tensor, v: torch.Tensor, mode: str, threshold, scale) -> None:
+    if mode not in INT8_MODES:
+        raise ValueError(f"mode must be one of {INT8_MODES}, got {mode!r}")
+    if q_t.dim() != 2 or q_t.dtype != torch.int8:
+        raise ValueError(f"q_t must be a 2-D (K, N) int8 tensor, got {q_t.dtype} of shape {tuple(q_t.shape)}")
+    if qscale.numel() != q_t.shape[1]:
+        raise ValueError(f"qscale must hold N={q_t.shape[1]} scales, got shape {tuple(qscale.shape)}")
+    if v.dim() == 0 or v.shape[-1] != q_t.shape[0]:
+        raise ValueError(f"v's last dim must equal K={q_t.shape[0]}, got shape {tuple(v.shape)}")
+    if mode == "abs_scaled" and scale is None and not _all_active(threshold):
+        raise ValueError("mode='abs_scaled' needs scale (the column norms of W)")
+
+
+def _int8_mask(v: torch.Tensor, threshold, mode: str, scale) -> torch.Tensor | None:
+    return None if mode == "none" else _active_mask(v, threshold, mode, scale)
+
+
+def masked_gemv_int8_reference(q_t, qscale, v, threshold, *, mode: str, scale=None, bias=None) -> torch.Tensor:
+    """float64 reference over the dequantized weight, any leading dims of v; returns float64 (tests).
+
+    The mask is computed as the kernels compute it (fp32 scores, ``>= t``)."""
+    _check_int8(q_t, qscale, v, mode, threshold, scale)
+    mask = _int8_mask(v, threshold, mode, scale)
+    vd = v.double()
+    if mask is not None:
+        vd = torch.where(mask, vd, torch.zeros((), dtype=vd.dtype, device=vd.device))
+    y = (vd @ q_t.double()) * qscale.reshape(-1).double()
+    if bias is not None:
+        y = y + bias.reshape(-1).double()
+    return y
+
+
+def masked_gemv_int8_dense(q_t, qscale, v, threshold, *, mode: str, scale=None, bias=None) -> torch.Tensor:
+    """``((v * mask) @ q_t) * qscale (+ bias)`` over any leading dims: batch > 1, prefill, and the
+    sync-free path on any device without Triton. Dequantizes the whole weight (fp32 on CPU, v's
+    half dtype on accelerators, where the GEMM accumulates in fp32); output in v's dtype."""
+    _check_int8(q_t, qscale, v, mode, threshold, scale)
+    mask = _int8_mask(v, threshold, mode, scale)
+    x = v if mask is None else torch.where(mask, v, 0.0)
+    dt = v.dtype if (v.device.type != "cpu" and v.dtype in (torch.float16, torch.bfloat16)) else torch.float32
+    y = (x.to(dt) @ q_t.to(dt)).float() * qscale.reshape(-1).float()
+    if bias is not None:
+        y = y + bias.reshape(-1).float()
+    return y.to(v.dtype).reshape(_out_shape(v, q_t.shape[1]))
+
+
+def masked_gemv_int8_gather(q_t, qscale, v, threshold, *, mode: str, scale=None, bias=None) -> torch.Tensor:
+    """One token on CPU in torch ops: copy out only the kept int8 rows (``index_select``), multiply them
+    in fp32; while at most ``CPU_GATHER_MAX_FRACTION[float32]`` of the rows are kept, else the dense path."""
+    _check_int8(q_t, qscale, v, mode, threshold, scale)
+    K, N = q_t.shape
+    v1 = v.reshape(K)
+    mask = _int8_mask(v1, threshold, mode, scale)
+    if mask is None:
+        return masked_gemv_int8_dense(q_t, qscale, v, None, mode="none", bias=bias)
+    idx = mask.nonzero().view(-1)
+    if idx.numel() > CPU_GATHER_MAX_FRACTION[torch.float32] * K:
+        return masked_gemv_int8_dense(q_t, qscale, v, threshold, mode=mode, scale=scale, bias=bias)
+    y = (v1.index_select(0, idx).float() @ q_t.index_select(0, idx).float()) * qscale.reshape(N).float()
+    if bias is not None:
+        y = y + bias.reshape(N).float()
+    return y.to(v.dtype).reshape(_out_shape(v, N))
+
+
+def masked_gemv_int8_torch(q_t, qscale, v, threshold, *, mode: str, scale=None, bias=None) -> torch.Tensor:
+    """One token on CPU: the native int8 kernel of cpu_gemv.py, else :func:`masked_gemv_int8_gather`.
+    Other devices and several tokens: :func:`masked_gemv_int8_dense` (no sync)."""
+    _check_int8(q_t, qscale, v, mode, threshold, scale)
+    K = q_t.shape[0]
+    if v.device.type != "cpu" or q_t.device.type != "cpu" or v.numel() != K:
+        return masked_gemv_int8_dense(q_t, qscale, v, threshold, mode=mode, scale=scale, bias=bias)
+    t = -math.inf if (mode == "none" or _all_active(threshold)) else float(threshold)
+    y = masked_gemv_native_int8(q_t, qscale, v, t, "none" if t == -math.inf else mode, scale=scale, bias=bias)
+    if y is not None:
+        return y.reshape(_out_shape(v, q_t.shape[1]))
+    return masked_gemv_int8_gather(q_t, qscale, v, threshold, mode=mode, scale=scale, bias=bias)
+
+
+def masked_gemv_int8_triton(q_t, qscale, v, threshold, *, mode: str, scale=None, bias=None) -> torch.Tensor:
+    """The Triton kernel's int8 path for one token (CUDA, or CPU tensors under TRITON_INTERPRET=1)."""
+    _check_int8(q_t, qscale, v, mode, threshold, scale)
+    if not _triton_available():
+        raise RuntimeError("triton is not installed")
+    K, N = q_t.shape
+    if v.numel() != K:
+        raise ValueError(f"masked_gemv_int8_triton handles one token, got v of shape {tuple(v.shape)}")
+    if not _interpreting() and not (v.is_cuda and q_t.is_cuda):
+        raise ValueError("masked_gemv_int8_triton needs CUDA tensors (or TRITON_INTERPRET=1)")
+    if mode == "none" or _all_active(threshold):
+        kernel_mode, t = "none", torch.zeros((), dtype=torch.float32, device=v.device)
+    else:
+        kernel_mode, t = mode, _threshold_like(threshold, v)
+        if not isinstance(t, torch.Tensor):
+            t = torch.full((), t, dtype=torch.float32, device=v.device)
+    s = scale.reshape(K).to(device=v.device, dtype=torch.float32) if kernel_mode == "abs_scaled" else None
+    qs = qscale.reshape(N).to(device=v.device, dtype=torch.float32)
+    y = grouped_masked_gemv_int8_triton([v.reshape(K)], [q_t], [qs], [t], kernel_mode, [s],
+                                        [None if bias is None else bias.reshape(N)])
+    return y.reshape(_out_shape(v, N))
+
+
+def masked_gemv_int8(q_t, qscale, v, threshold, *, mode: str, scale=None, bias=None) -> torch.Tensor:
+    """Dispatcher for int8 weights: Triton for one token on CUDA, the native/torch CPU path for one
+    token on CPU, the dense dequantized product otherwise."""
+    if q_t.dim() != 2 or v.numel() != q_t.shape[0]:
+        return masked_gemv_int8_dense(q_t, qscale, v, threshold, mode=mode, scale=scale, bias=bias)
+    if v.is_cuda and q_t.is_cuda and triton_available():
+        return masked_gemv_int8_triton(q_t, qscale, v, threshold, mode=mode, scale=scale, bias=bias)
+    return masked_gemv_int8_torch(q_t, qscale, v, threshold, mode=mode, scale=scale, bias=bias)
 
 
 # --------------------------------------------------------------------------------------------

@@ -19,6 +19,20 @@ Ops (one token: ``v`` holds K values, any leading dims of size 1):
         (E, K, N), each input row v[s] masked by |v| >= thresholds[idx[s]]; CPU: one embedding_bag
         over the active rows of all selected experts, elsewhere the gathered dense batched product.
 
+    rana::masked_gemv_int8(Tensor q_t, Tensor qscale, Tensor v, Tensor threshold, str mode, Tensor? scale,
+                           Tensor? bias) -> Tensor
+        custom_op; int8 weights q_t (K, N) with per-output-channel fp32 scales qscale (N,):
+        ``qscale ⊙ ((m ⊙ v) @ q_t) (+ bias)``. CPU: the native int8 kernel of cpu_gemv.py (any float v),
+        else a torch gather of the kept int8 rows / the dense dequantized product; any other device: the
+        dense dequantized product (sync-free). Output v.shape[:-1] + (N,) in v's dtype.
+    rana::masked_gemv_int8_grouped(Tensor[] vs, Tensor[] q_ts, Tensor[] qscales, Tensor[] thresholds, str mode,
+                                   Tensor?[] scales, Tensor?[] biases) -> Tensor
+        custom_op; the same for up to three projections, outputs concatenated (1-D).
+    rana::masked_gemv_int8_triton(Tensor[] vs, Tensor[] q_ts, Tensor[] qscales, Tensor[] thresholds, str mode,
+                                  Tensor?[] scales, Tensor?[] biases, SymInt sparsity_bin) -> Tensor
+        triton_op (when triton imports): the int8 kernel of triton_gemv.py (rana_masked_gemv_int8), up to
+        three projections in one launch.
+
 ``threshold`` is a 0-dim fp32 tensor (a module buffer) and ``mode`` one of "none", "square",
 "abs_scaled", "abs" (see masked_gemv.py). Every op has a fake implementation, so
 ``torch.compile(fullgraph=True)`` traces a decode step without reading a tensor value on the host.
@@ -26,8 +40,9 @@ State the kernels keep (the CPU kernel's dense-branch prediction, the Triton tun
 only touched inside the op implementations, which run outside the traced graph; the Triton kernels
 are built when this module is imported.
 
-:func:`decode_masked` / :func:`decode_masked_grouped` are the module-facing entry points: eagerly they
-call the implementations directly (a Python op dispatch costs more than a small CPU GEMV); under
+:func:`decode_masked` / :func:`decode_masked_grouped` (and :func:`decode_masked_int8` /
+:func:`decode_masked_int8_grouped` for int8 weights; mode "none" there is the dense int8 GEMV) are the
+module-facing entry points: eagerly they call the implementations directly (a Python op dispatch costs more than a small CPU GEMV); under
 torch.compile they go through the ops.
 
 Self-contained (torch + stdlib + its sibling kernel files; triton optional) so it ships with exports.
@@ -40,14 +55,15 @@ from typing import Optional, Sequence
 
 import torch
 
-from .cpu_gemv import MODE_IDS, masked_linear_native
+from .cpu_gemv import MODE_IDS, masked_linear_native, masked_linear_native_int8
 from .masked_gemv import (expert_masked_gemv_dense, expert_masked_gemv_gather, masked_gemv_dense,
-                          masked_gemv_torch)
-from .triton_gemv import (grouped_dense_gemv_triton, grouped_masked_gemv_triton, interpreting, kernels, sparsity_bin,
-                          triton_available)
+                          masked_gemv_int8_dense, masked_gemv_int8_torch, masked_gemv_torch)
+from .triton_gemv import (grouped_dense_gemv_triton, grouped_masked_gemv_int8_triton, grouped_masked_gemv_triton,
+                          int8_kernel, interpreting, kernels, sparsity_bin, triton_available)
 
-__all__ = ["uses_triton", "decode_masked", "decode_expert_masked", "decode_masked_grouped", "decode_dense_grouped", "masked_gemv_impl", "sparsity_bin", "DEFAULT_SPARSITY_BIN",
-           "HAS_TRITON", "OP_NAMES", "MODES"]
+__all__ = ["uses_triton", "decode_masked", "decode_expert_masked", "decode_masked_grouped", "decode_dense_grouped",
+           "decode_masked_int8", "decode_masked_int8_grouped", "masked_gemv_impl", "masked_gemv_int8_impl",
+           "sparsity_bin", "DEFAULT_SPARSITY_BIN", "HAS_TRITON", "OP_NAMES", "MODES"]
 
 MODES = ("none", "square", "abs_scaled", "abs")
 DEFAULT_SPARSITY_BIN = 2  # active fraction ≈ 0.5: the Triton tuning key when a module gives no hint
@@ -58,6 +74,7 @@ def _build_triton() -> bool:
         return False
     try:
         kernels()  # build now: no kernel builder may run inside a traced forward
+        int8_kernel()
     except Exception:  # a triton that cannot build kernels here: the torch paths only
         return False
     return True
@@ -157,8 +174,64 @@ if not _registered("expert_masked_gemv"):
     torch.library.custom_op("rana::expert_masked_gemv", expert_masked_gemv_impl,
                             mutates_args=()).register_fake(_expert_masked_gemv_fake)
 
-OP_NAMES = ("rana::masked_gemv", "rana::masked_gemv_grouped", "rana::expert_masked_gemv") + (
-    ("rana::masked_gemv_triton", "rana::dense_gemv_triton") if HAS_TRITON else ())
+# --------------------------------------------------------------------------------------------
+# int8 weights
+# --------------------------------------------------------------------------------------------
+def masked_gemv_int8_impl(q_t: torch.Tensor, qscale: torch.Tensor, v: torch.Tensor, threshold: torch.Tensor, mode: str,
+                          scale: Optional[torch.Tensor], bias: Optional[torch.Tensor]) -> torch.Tensor:
+    """int8 weights without Triton: the native kernel / kept-row gather on CPU, the dense dequantized
+    product elsewhere (and for several tokens)."""
+    if mode not in MODES:
+        raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
+    t = None if mode == "none" else threshold
+    if v.is_cpu and q_t.is_cpu:
+        y = masked_gemv_int8_torch(q_t, qscale, v, t, mode=mode, scale=scale, bias=bias)
+    else:
+        y = masked_gemv_int8_dense(q_t, qscale, v, t, mode=mode, scale=scale, bias=bias)
+    return y.contiguous()
+
+
+def _masked_gemv_int8_op(q_t: torch.Tensor, qscale: torch.Tensor, v: torch.Tensor, threshold: torch.Tensor, mode: str,
+                         scale: Optional[torch.Tensor], bias: Optional[torch.Tensor]) -> torch.Tensor:
+    return masked_gemv_int8_impl(q_t, qscale, v, threshold, mode, scale, bias)
+
+
+def _masked_gemv_int8_fake(q_t, qscale, v, threshold, mode, scale, bias):
+    return v.new_empty((*v.shape[:-1], q_t.shape[1]))
+
+
+def _masked_gemv_int8_grouped_op(vs: Sequence[torch.Tensor], q_ts: Sequence[torch.Tensor],
+                                 qscales: Sequence[torch.Tensor], thresholds: Sequence[torch.Tensor], mode: str,
+                                 scales: Sequence[Optional[torch.Tensor]],
+                                 biases: Sequence[Optional[torch.Tensor]]) -> torch.Tensor:
+    return torch.cat([masked_gemv_int8_impl(q, qs, v, t, mode, s, b).reshape(-1)
+                      for v, q, qs, t, s, b in zip(vs, q_ts, qscales, thresholds, scales, biases)])
+
+
+def _masked_gemv_int8_grouped_fake(vs, q_ts, qscales, thresholds, mode, scales, biases):
+    return vs[0].new_empty((sum(q.shape[1] for q in q_ts),))
+
+
+def _masked_gemv_int8_triton_op(vs: Sequence[torch.Tensor], q_ts: Sequence[torch.Tensor],
+                                qscales: Sequence[torch.Tensor], thresholds: Sequence[torch.Tensor], mode: str,
+                                scales: Sequence[Optional[torch.Tensor]], biases: Sequence[Optional[torch.Tensor]],
+                                sparsity_bin: int) -> torch.Tensor:
+    return grouped_masked_gemv_int8_triton(list(vs), list(q_ts), list(qscales), list(thresholds), mode, list(scales),
+                                           list(biases), sparsity_bin, wrap=torch.library.wrap_triton)
+
+
+if not _registered("masked_gemv_int8"):
+    torch.library.custom_op("rana::masked_gemv_int8", _masked_gemv_int8_op,
+                            mutates_args=()).register_fake(_masked_gemv_int8_fake)
+if not _registered("masked_gemv_int8_grouped"):
+    torch.library.custom_op("rana::masked_gemv_int8_grouped", _masked_gemv_int8_grouped_op,
+                            mutates_args=()).register_fake(_masked_gemv_int8_grouped_fake)
+if HAS_TRITON and not _registered("masked_gemv_int8_triton"):
+    torch.library.triton_op("rana::masked_gemv_int8_triton", _masked_gemv_int8_triton_op, mutates_args=())
+
+OP_NAMES = ("rana::masked_gemv", "rana::masked_gemv_grouped", "rana::expert_masked_gemv", "rana::masked_gemv_int8",
+            "rana::masked_gemv_int8_grouped") + (
+    ("rana::masked_gemv_triton", "rana::dense_gemv_triton", "rana::masked_gemv_int8_triton") if HAS_TRITON else ())
 
 
 # --------------------------------------------------------------------------------------------
@@ -236,3 +309,49 @@ def decode_expert_masked(w_t: torch.Tensor, v: torch.Tensor, idx: torch.Tensor, 
     if torch.compiler.is_compiling():
         return torch.ops.rana.expert_masked_gemv(w_t, v, idx, thresholds)
     return expert_masked_gemv_impl(w_t, v, idx, thresholds)
+
+
+def decode_masked_int8(q_t: torch.Tensor, qscale: torch.Tensor, v: torch.Tensor, threshold: torch.Tensor, mode: str,
+                       scale: Optional[torch.Tensor] = None, bias: Optional[torch.Tensor] = None,
+                       sparsity_bin: int = DEFAULT_SPARSITY_BIN) -> torch.Tensor:
+    """``qscale ⊙ ((m ⊙ v) @ q_t) (+ bias)`` with int8 ``q_t`` (K, N) (unit stride along N) and fp32
+    per-output-channel ``qscale`` (N,); output v.shape[:-1] + (N,) in v's dtype. Mode "none" is the dense
+    int8 GEMV (``threshold`` unread). Meant for one token; several tokens take the dense dequantized product."""
+    K, N = q_t.shape
+    one_token = v.numel() == K
+    if torch.compiler.is_compiling():
+        if one_token and _use_triton(v):
+            return torch.ops.rana.masked_gemv_int8_triton([v], [q_t], [qscale], [threshold], mode, [scale], [bias],
+                                                          sparsity_bin).view(*v.shape[:-1], N)
+        return torch.ops.rana.masked_gemv_int8(q_t, qscale, v, threshold, mode, scale, bias)
+    if v.is_cpu and not _INTERPRET:  # the common CPU case first: one native call, nothing else
+        mode_id = MODE_IDS.get(mode)
+        if mode_id is not None and one_token:
+            y = masked_linear_native_int8(q_t, qscale, v, 0.0 if mode_id == 0 else float(threshold), mode_id,
+                                          scale, bias)
+            if y is not None:
+                return y
+        return masked_gemv_int8_impl(q_t, qscale, v, threshold, mode, scale, bias)
+    if one_token and _use_triton(v):
+        return grouped_masked_gemv_int8_triton([v], [q_t], [qscale], [threshold], mode, [scale], [bias],
+                                               sparsity_bin).view(*v.shape[:-1], N)
+    return masked_gemv_int8_impl(q_t, qscale, v, threshold, mode, scale, bias)
+
+
+def decode_masked_int8_grouped(vs, q_ts, qscales, thresholds, mode: str, scales, biases,
+                               sparsity_bin: int = DEFAULT_SPARSITY_BIN) -> list[torch.Tensor]:
+    """Up to three one-token int8 masked GEMVs (one launch on CUDA); their outputs as 1-D tensors."""
+    ns = [q.shape[1] for q in q_ts]
+    if torch.compiler.is_compiling():
+        if _use_triton(vs[0]):
+            flat = torch.ops.rana.masked_gemv_int8_triton(vs, q_ts, qscales, thresholds, mode, scales, biases,
+                                                          sparsity_bin)
+        else:
+            flat = torch.ops.rana.masked_gemv_int8_grouped(vs, q_ts, qscales, thresholds, mode, scales, biases)
+        return list(flat.split(ns))
+    if _use_triton(vs[0]):
+        flat = grouped_masked_gemv_int8_triton(list(vs), list(q_ts), list(qscales), list(thresholds), mode,
+                                               list(scales), list(biases), sparsity_bin)
+        return list(flat.split(ns))
+    return [decode_masked_int8(q, qs, v, t, mode, s, b).reshape(-1)
+            for v, q, qs, t, s, b in zip(vs, q_ts, qscales, thresholds, scales, biases)]

@@ -32,6 +32,13 @@ by ``python -m rana.kernels.gemv_tune`` on that GPU), else from a shape heuristi
 pure function of shapes, so eager, traced and captured calls take the same config and nothing is
 timed behind the user's back. Under TRITON_INTERPRET=1 small blocks are used.
 
+int8 weights (``rana_masked_gemv_int8``, :func:`grouped_masked_gemv_int8_triton`): the same kernel body with
+``INT8`` set: ``w_t_g`` int8 (K_g, N_g), loaded only for kept rows (a quarter of an fp32 row's bytes),
+converted to fp32 and accumulated in fp32; each program multiplies its sum by the fp32 per-output-channel
+scale once, before the bias and before a split's partials are stored (qscale · Σ_s p_s = Σ_s qscale · p_s:
+the reduce launch is shared). Its configs have their own table keys (``bfloat16.w-int8|...``) and
+heuristic (more rows per step: :data:`INT8_BLOCK_K`). Mode "none" is the dense int8 GEMV.
+
 The kernels are module-level functions: inductor regenerates user Triton kernels from source and
 keeps only the helpers it finds among the kernel's global names, so no kernel may reach a helper
 through a closure. Self-contained (torch + stdlib, triton optional) so it can be copied next to an
@@ -50,6 +57,7 @@ import torch
 from .cpu_gemv import MODE_IDS
 
 __all__ = ["triton_available", "interpreting", "grouped_masked_gemv_triton", "grouped_dense_gemv_triton",
+           "grouped_masked_gemv_int8_triton", "int8_kernel",
            "choose_config", "heuristic_config",
            "MODE_IDS", "GemvConfig", "TABLE_FILE", "table_key", "sparsity_bin", "KERNEL_NAMES", "config_table",
            "set_config_table", "read_table"]
@@ -58,7 +66,8 @@ MAX_GROUPS = 3
 TABLE_FILE = Path(__file__).with_name("gemv_configs.json")
 # An export inlines the table here: transformers copies only the .py files of remote code.
 SHIPPED_TABLE: dict | None = None  # rana:shipped-gemv-table
-KERNEL_NAMES = ("rana_masked_gemv", "rana_gemv_reduce", "rana_dense_gemv")  # what profilers show
+# what profilers show
+KERNEL_NAMES = ("rana_masked_gemv", "rana_gemv_reduce", "rana_dense_gemv", "rana_masked_gemv_int8")
 
 try:  # optional: a model exported with these files must import on machines without triton
     import triton
@@ -80,6 +89,14 @@ def kernels():
     if triton is None:
         raise RuntimeError("triton is not installed")
     return rana_masked_gemv, rana_gemv_reduce, rana_dense_gemv
+
+
+def int8_kernel():
+    """The masked GEMV kernel for int8 weights with per-output-channel scales (its split launches reuse
+    the reduce kernel of :func:`kernels`)."""
+    if triton is None:
+        raise RuntimeError("triton is not installed")
+    return rana_masked_gemv_int8
 
 
 # --------------------------------------------------------------------------------------------
@@ -134,15 +151,20 @@ if triton is not None:
         return tl.sum(acc, axis=0)
 
     @triton.jit
-    def _project(w_ptr, v_ptr, t_ptr, scale_ptr, bias_ptr, out_ptr, ws_ptr, K, N, stride_w, block_n, pid_k,
+    def _project(w_ptr, v_ptr, t_ptr, scale_ptr, bias_ptr, qs_ptr, out_ptr, ws_ptr, K, N, stride_w, block_n, pid_k,
                  k_chunk, n_total, out_off, MODE: tl.constexpr, HAS_BIAS: tl.constexpr,
-                 WORKSPACE: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                 WORKSPACE: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, INT8: tl.constexpr):
         offs_n = block_n * BLOCK_N + tl.arange(0, BLOCK_N)
         n_ok = offs_n < N
         k_lo = pid_k * k_chunk
         k_hi = tl.minimum(k_lo + k_chunk, K)
         acc = _kept_rows_dot(w_ptr, v_ptr, t_ptr, scale_ptr, offs_n, n_ok, k_lo, k_hi, stride_w,
                              MODE, BLOCK_N, BLOCK_K)
+        if INT8:
+            # int8 weights: this program's fp32 sum times the per-output-channel scale, once, before the bias
+            # (and before a split's partials are summed: qscale · Σ_s p_s = Σ_s qscale · p_s, so the reduce
+            # launch stays the same)
+            acc = acc * tl.load(qs_ptr + offs_n, mask=n_ok, other=0.0).to(tl.float32)
         if HAS_BIAS:
             if pid_k == 0:
                 acc += tl.load(bias_ptr + offs_n, mask=n_ok, other=0.0).to(tl.float32)
@@ -161,19 +183,44 @@ if triton is not None:
         pid_n = tl.program_id(0)
         pid_k = tl.program_id(1)
         if pid_n < NB0:
-            _project(w0, v0, t0, s0, b0, out_ptr, ws_ptr, K0, N0, SW0, pid_n, pid_k, KC0, n_total, 0,
-                     MODE, B0, WORKSPACE, BLOCK_N, BLOCK_K)
+            _project(w0, v0, t0, s0, b0, w0, out_ptr, ws_ptr, K0, N0, SW0, pid_n, pid_k, KC0, n_total, 0,
+                     MODE, B0, WORKSPACE, BLOCK_N, BLOCK_K, False)
         else:
             if G == 2:
-                _project(w1, v1, t1, s1, b1, out_ptr, ws_ptr, K1, N1, SW1, pid_n - NB0, pid_k, KC1, n_total,
-                         N0, MODE, B1, WORKSPACE, BLOCK_N, BLOCK_K)
+                _project(w1, v1, t1, s1, b1, w1, out_ptr, ws_ptr, K1, N1, SW1, pid_n - NB0, pid_k, KC1, n_total,
+                         N0, MODE, B1, WORKSPACE, BLOCK_N, BLOCK_K, False)
             elif G == 3:
                 if pid_n < NB0 + NB1:
-                    _project(w1, v1, t1, s1, b1, out_ptr, ws_ptr, K1, N1, SW1, pid_n - NB0, pid_k, KC1,
-                             n_total, N0, MODE, B1, WORKSPACE, BLOCK_N, BLOCK_K)
+                    _project(w1, v1, t1, s1, b1, w1, out_ptr, ws_ptr, K1, N1, SW1, pid_n - NB0, pid_k, KC1,
+                             n_total, N0, MODE, B1, WORKSPACE, BLOCK_N, BLOCK_K, False)
                 else:
-                    _project(w2, v2, t2, s2, b2, out_ptr, ws_ptr, K2, N2, SW2, pid_n - NB0 - NB1, pid_k, KC2,
-                             n_total, N0 + N1, MODE, B2, WORKSPACE, BLOCK_N, BLOCK_K)
+                    _project(w2, v2, t2, s2, b2, w2, out_ptr, ws_ptr, K2, N2, SW2, pid_n - NB0 - NB1, pid_k, KC2,
+                             n_total, N0 + N1, MODE, B2, WORKSPACE, BLOCK_N, BLOCK_K, False)
+
+    @triton.jit
+    def rana_masked_gemv_int8(w0, v0, t0, s0, b0, q0, w1, v1, t1, s1, b1, q1, w2, v2, t2, s2, b2, q2,
+                              out_ptr, ws_ptr, K0, K1, K2, N0, N1, N2, SW0, SW1, SW2, NB0, NB1, KC0, KC1, KC2,
+                              n_total, G: tl.constexpr, MODE: tl.constexpr, B0: tl.constexpr, B1: tl.constexpr,
+                              B2: tl.constexpr, WORKSPACE: tl.constexpr, BLOCK_N: tl.constexpr,
+                              BLOCK_K: tl.constexpr):
+        # rana_masked_gemv with int8 weights w_g and their fp32 per-column scales q_g (the same grid and store paths)
+        # grid axis 0: the output blocks of projection 0, then 1, then 2; axis 1: the input slices
+        pid_n = tl.program_id(0)
+        pid_k = tl.program_id(1)
+        if pid_n < NB0:
+            _project(w0, v0, t0, s0, b0, q0, out_ptr, ws_ptr, K0, N0, SW0, pid_n, pid_k, KC0, n_total, 0,
+                     MODE, B0, WORKSPACE, BLOCK_N, BLOCK_K, True)
+        else:
+            if G == 2:
+                _project(w1, v1, t1, s1, b1, q1, out_ptr, ws_ptr, K1, N1, SW1, pid_n - NB0, pid_k, KC1, n_total,
+                         N0, MODE, B1, WORKSPACE, BLOCK_N, BLOCK_K, True)
+            elif G == 3:
+                if pid_n < NB0 + NB1:
+                    _project(w1, v1, t1, s1, b1, q1, out_ptr, ws_ptr, K1, N1, SW1, pid_n - NB0, pid_k, KC1,
+                             n_total, N0, MODE, B1, WORKSPACE, BLOCK_N, BLOCK_K, True)
+                else:
+                    _project(w2, v2, t2, s2, b2, q2, out_ptr, ws_ptr, K2, N2, SW2, pid_n - NB0 - NB1, pid_k, KC2,
+                             n_total, N0 + N1, MODE, B2, WORKSPACE, BLOCK_N, BLOCK_K, True)
 
     @triton.jit
     def rana_gemv_reduce(ws_ptr, y_ptr, N, SPLIT: tl.constexpr, BLOCK: tl.constexpr):
@@ -287,16 +334,26 @@ def split_for(ks, ns, block_n: int, block_k: int, sms: int, waves: float = WAVES
     return int(max(1, min(want, most, 64)))
 
 
-def heuristic_config(ks, ns, dtype: torch.dtype, device: torch.device, sms: int | None = None) -> GemvConfig:
+def heuristic_config(ks, ns, dtype: torch.dtype, device: torch.device, sms: int | None = None,
+                     weight_dtype: torch.dtype | None = None) -> GemvConfig:
     """128 bytes of each kept row per program (one cache line), 64 rows per step (8 KB of weights in
     flight per program while the previous step is multiplied), 4 warps (so several programs share an
-    SM), split until the grid is ~WAVES programs per SM."""
+    SM), split until the grid is ~WAVES programs per SM.
+
+    int8 weights (``weight_dtype=torch.int8``): a kept row is 4× (fp32) or 2× (bf16/fp16) smaller, so a
+    step takes more of them: 64 bytes of each kept row per program and 128 rows per step (the same
+    8 KB in flight), over 8 warps so the [128, 64] fp32 accumulator stays at 32 registers a thread."""
     if interpreting():
         return INTERPRETER_CONFIG
+    sms = sms if sms is not None else _sm_count(device)
+    if weight_dtype == torch.int8:
+        return GemvConfig(INT8_BLOCK_N, INT8_BLOCK_K, split_for(ks, ns, INT8_BLOCK_N, INT8_BLOCK_K, sms), 8)
     block_n = 32 if dtype == torch.float32 else 64
     block_k = 64
-    sms = sms if sms is not None else _sm_count(device)
     return GemvConfig(block_n, block_k, split_for(ks, ns, block_n, block_k, sms), 4)
+
+
+INT8_BLOCK_N, INT8_BLOCK_K = 64, 128
 
 
 def sparsity_bin(density: float) -> int:
@@ -312,12 +369,16 @@ def _bucket(x: int) -> int:
     return int(round(2 ** (round(math.log2(x) * 2) / 2)))
 
 
-_DTYPE_NAMES = {torch.float32: "float32", torch.float16: "float16", torch.bfloat16: "bfloat16"}
+_DTYPE_NAMES = {torch.float32: "float32", torch.float16: "float16", torch.bfloat16: "bfloat16", torch.int8: "int8"}
 
 
-def table_key(ks, ns, dtype: torch.dtype, sbin: int) -> str:
-    """The table's key for a launch: dtype, sparsity bin, bucketed max K and total N, group size."""
-    return f"{_DTYPE_NAMES.get(dtype, str(dtype))}|s{int(sbin)}|K{_bucket(max(ks))}|N{_bucket(sum(ns))}|G{len(ks)}"
+def table_key(ks, ns, dtype: torch.dtype, sbin: int, weight_dtype: torch.dtype | None = None) -> str:
+    """The table's key for a launch: dtype, sparsity bin, bucketed max K and total N, group size. Weights of
+    another dtype than the inputs' (int8) are named after it: ``bfloat16.w-int8|s2|...``."""
+    name = _DTYPE_NAMES.get(dtype, str(dtype))
+    if weight_dtype is not None and weight_dtype != dtype:
+        name += ".w-" + _DTYPE_NAMES.get(weight_dtype, str(weight_dtype))
+    return f"{name}|s{int(sbin)}|K{_bucket(max(ks))}|N{_bucket(sum(ns))}|G{len(ks)}"
 
 
 _CONFIG_TABLE: dict = {}  # "table" -> {gpu name: {key: [BLOCK_N, BLOCK_K, SPLIT, warps]}}, once loaded
@@ -351,18 +412,18 @@ def read_table(path: Path | str = TABLE_FILE) -> dict:
     return data if isinstance(data, dict) and isinstance(data.get("gpus"), dict) else {"format": 1, "gpus": {}}
 
 
-def choose_config(ks, ns, dtype, mode: str, sbin: int, device) -> GemvConfig:
+def choose_config(ks, ns, dtype, mode: str, sbin: int, device, weight_dtype=None) -> GemvConfig:
     """The shipped table's config for these shapes on this GPU, else the heuristic. A pure function of
     its arguments: eager, traced and captured calls agree, and nothing is timed here."""
     if interpreting():
         return INTERPRETER_CONFIG
-    entry = config_table().get(gpu_name(device), {}).get(table_key(ks, ns, dtype, sbin))
+    entry = config_table().get(gpu_name(device), {}).get(table_key(ks, ns, dtype, sbin, weight_dtype))
     if entry:
         block_n, block_k, _, warps = entry
         # the table's split was tuned for its bucket's shapes: re-derive it for these exact ones from
         # the programs per SM it amounted to
         return GemvConfig(block_n, block_k, _split_like(entry, ks, ns, device), warps)
-    return heuristic_config(ks, ns, dtype, device)
+    return heuristic_config(ks, ns, dtype, device, weight_dtype=weight_dtype)
 
 
 def _split_like(entry, ks, ns, device) -> int:
@@ -414,11 +475,15 @@ def _streamable(w: torch.Tensor) -> torch.Tensor:
     return w.contiguous()
 
 
-def _launch(vs, w_ts, thresholds, mode: str, scales, biases, cfg: GemvConfig, wrap=None) -> torch.Tensor:
+def _launch(vs, w_ts, thresholds, mode: str, scales, biases, cfg: GemvConfig, wrap=None,
+            qscales=None) -> torch.Tensor:
     """Launch the kernels with `cfg`; returns the concatenated output (sum of N_g,) in v's dtype.
 
-    `wrap` is torch.library.wrap_triton inside the triton_op (so torch.compile sees the kernels)."""
+    `wrap` is torch.library.wrap_triton inside the triton_op (so torch.compile sees the kernels).
+    `qscales` (one fp32 (N_g,) tensor per projection): the w_ts are int8 and take the int8 kernel."""
     gemv, reduce, _ = kernels()
+    if qscales is not None:
+        gemv = int8_kernel()
     if wrap is not None:
         gemv, reduce = wrap(gemv), wrap(reduce)
     g = len(w_ts)
@@ -447,8 +512,14 @@ def _launch(vs, w_ts, thresholds, mode: str, scales, biases, cfg: GemvConfig, wr
     if wrap is not None and interpreting() and _is_fake(out):
         return out  # fake tracing under the interpreter: it would run the kernel on meta storage
     grid = (sum(nbs), split)
-    gemv[grid](w_p[0], v_p[0], t_p[0], s_p[0], b_p[0], w_p[1], v_p[1], t_p[1], s_p[1], b_p[1],
-               w_p[2], v_p[2], t_p[2], s_p[2], b_p[2], out, ws,
+    if qscales is not None:
+        q_p = pad(qscales, qscales[0])
+        head = (w_p[0], v_p[0], t_p[0], s_p[0], b_p[0], q_p[0], w_p[1], v_p[1], t_p[1], s_p[1], b_p[1], q_p[1],
+                w_p[2], v_p[2], t_p[2], s_p[2], b_p[2], q_p[2])
+    else:
+        head = (w_p[0], v_p[0], t_p[0], s_p[0], b_p[0], w_p[1], v_p[1], t_p[1], s_p[1], b_p[1],
+                w_p[2], v_p[2], t_p[2], s_p[2], b_p[2])
+    gemv[grid](*head, out, ws,
                k_p[0], k_p[1], k_p[2], n_p[0], n_p[1], n_p[2],
                w_p[0].stride(0), w_p[1].stride(0), w_p[2].stride(0), nbs[0], nbs[1] if g > 1 else 0,
                c_p[0], c_p[1], c_p[2], n_total,
@@ -468,6 +539,26 @@ def grouped_masked_gemv_triton(vs, w_ts, thresholds, mode: str, scales, biases, 
     ks, ns = [w.shape[0] for w in w_ts], [w.shape[1] for w in w_ts]
     cfg = choose_config(ks, ns, vs[0].dtype, mode, sbin, vs[0].device)
     return _launch(vs, w_ts, thresholds, mode, scales, biases, cfg, wrap=wrap)
+
+
+def grouped_masked_gemv_int8_triton(vs, q_ts, qscales, thresholds, mode: str, scales, biases, sbin: int = 2,
+                                    wrap=None) -> torch.Tensor:
+    """:func:`grouped_masked_gemv_triton` for int8 weights: ``out_g = qscale_g ⊙ ((m_g ⊙ v_g) @ q_t_g)
+    (+ bias_g)``, q_t_g int8 (K_g, N_g) with unit stride along N, qscale_g (N_g,) (read as fp32). The kept int8 rows
+    are converted to fp32 on the load and accumulated in fp32; each program multiplies its sum by the
+    scale once, before the bias (a split's partials are each scaled, then summed by the reduce launch).
+    Config: :func:`choose_config` with ``weight_dtype=torch.int8`` (its own table keys and heuristic)."""
+    _check_group(vs, q_ts, thresholds, scales, biases, mode)
+    if len(qscales) != len(q_ts):
+        raise ValueError("one qscale per projection")
+    for q, qs in zip(q_ts, qscales):
+        if q.dtype != torch.int8 or qs.numel() != q.shape[1] or not qs.dtype.is_floating_point:
+            raise ValueError(f"int8 masked GEMV: an int8 (K, N) weight and N scales, got {q.dtype} "
+                             f"{tuple(q.shape)} and {qs.dtype} {tuple(qs.shape)}")
+    ks, ns = [w.shape[0] for w in q_ts], [w.shape[1] for w in q_ts]
+    cfg = choose_config(ks, ns, vs[0].dtype, mode, sbin, vs[0].device, weight_dtype=torch.int8)
+    return _launch(vs, q_ts, thresholds, mode, scales, biases, cfg, wrap=wrap,
+                   qscales=[qs.reshape(-1) for qs in qscales])
 
 
 # --------------------------------------------------------------------------------------------

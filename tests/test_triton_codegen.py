@@ -5,7 +5,8 @@ module and keeps only the helpers it finds among the kernel's global names; a he
 other way is missing there and the first compiled decode step fails. Here every shipped kernel is
 regenerated with inductor's own function, executed from a fresh module file and compiled by Triton
 for an sm_90 target, and the PTX of every specialization the compiled path can launch on an H100 is
-read: no barrier inside the K loop, weight loads prefetched a step ahead, no spills. Negative
+read (the int8-weight kernel's too): no barrier inside the K loop, weight loads prefetched a step ahead, no
+spills. Negative
 controls show each check can fail. Runs in a subprocess without TRITON_INTERPRET (the interpreter's
 functions have no PTX). No GPU needed.
 """
@@ -34,13 +35,65 @@ SCRIPT = textwrap.dedent(r'''
 
     out = {"sources": {}, "rows": []}
     kernels = {}
-    for k in tg.kernels():
+    for k in (*tg.kernels(), tg.int8_kernel()):
         src = pt.regenerated_source(k)
         out["sources"][k.__name__] = [name for name in ("_kept_rows_dot", "_project", "_active", "_dense_rows")
                                       if f"def {name}(" in src]
         kernels[k.__name__] = pt.regenerated_kernel(k)
-    for v in pt.variants():
+    variants = pt.variants()
+    for v in variants:
         out["rows"].append(pt.analyse(v, kernels))
+
+    # the int8-weight kernel: every specialization its launches take on an H100 (table entry under the int8
+    # key, else the int8 heuristic), int8 weights and fp32 scales, inputs in each activation dtype
+    import triton, torch
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+    from rana.kernels import gemv_tune
+
+    def compile_int8(kernel, dtype, const, warps):
+        sig, attrs = pt.signature(kernel, dtype, const)
+        for i, name in enumerate(kernel.arg_names):
+            if name in ("w0", "w1", "w2"):
+                sig[name] = "*i8"
+            elif name in ("q0", "q1", "q2"):
+                sig[name] = "*fp32"
+                attrs[(i,)] = [["tt.divisibility", 16]]
+        return triton.compile(ASTSource(kernel, sig, const, attrs), target=GPUTarget("cuda", 90, 32),
+                              options={"num_warps": warps})
+
+    seen = {(v["kernel"], v["dtype"], tuple(sorted(v["constexprs"].items())), v["num_warps"]) for v in variants}
+    int8_variants = []
+    for dname, dtype in pt.DTYPES.items():
+        for shape in gemv_tune.MODEL_SHAPES.values():
+            for p in gemv_tune.problems(shape):
+                for sbin in (1, 2, 3, 4):
+                    key = tg.table_key(p.ks, p.ns, dtype, sbin, torch.int8)
+                    entry = tg.read_table().get("gpus", {}).get(pt.H100[0], {}).get(key)
+                    cfg = tg.GemvConfig(*entry) if entry else tg.heuristic_config(
+                        p.ks, p.ns, dtype, torch.device("cuda"), sms=pt.H100[1], weight_dtype=torch.int8)
+                    chunks = [-(-(-(-k // cfg.split)) // cfg.block_k) * cfg.block_k for k in p.ks]
+                    split = max(-(-k // c) for k, c in zip(p.ks, chunks))
+                    for bias in ((False, True) if p.name == "q/k/v" else (False,)):
+                        flags = [bias] * len(p.ks) + [False] * (3 - len(p.ks))
+                        const = dict(G=len(p.ks), MODE=tg.MODE_IDS[p.mode], B0=flags[0], B1=flags[1], B2=flags[2],
+                                     WORKSPACE=split > 1, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k)
+                        pt._add(int8_variants, seen, "rana_masked_gemv_int8", dname, const, cfg.num_warps, p.name)
+                    if split > 1:
+                        pt._add(int8_variants, seen, "rana_gemv_reduce", dname,
+                                dict(SPLIT=split, BLOCK=tg._REDUCE_BLOCK), 4, p.name)
+        # the dense int8 GEMV (mode "none") of a dense layer at batch 1
+        cfg = tg.heuristic_config((4096,), (4096,), dtype, torch.device("cuda"), sms=pt.H100[1],
+                                  weight_dtype=torch.int8)
+        const = dict(G=1, MODE=0, B0=False, B1=False, B2=False, WORKSPACE=cfg.split > 1, BLOCK_N=cfg.block_n,
+                     BLOCK_K=cfg.block_k)
+        pt._add(int8_variants, seen, "rana_masked_gemv_int8", dname, const, cfg.num_warps, "dense int8")
+    for v in int8_variants:
+        if v["kernel"] == "rana_gemv_reduce":
+            out["rows"].append(pt.analyse(v, kernels))
+            continue
+        ptx = compile_int8(kernels[v["kernel"]], pt.DTYPES[v["dtype"]], v["constexprs"], v["num_warps"]).asm["ptx"]
+        out["rows"].append({**v, **pt.ptx_stats(ptx), **pt.ptxas_resources(ptx)})
 
     # negative controls: a helper reached through a closure, and a reduction inside the loop
     path = sys.argv[2]
@@ -76,7 +129,13 @@ SCRIPT = textwrap.dedent(r'''
     def accesses(kernel, args):
         rw = identify_accessed_tensors(kernel, args, {}).read_writes
         return sorted(d.name for d in rw.reads), sorted(d.name for d in rw.writes)
+    i8, qs = torch.empty(128, 192, dtype=torch.int8), torch.empty(192, dtype=f32)
+    int8_tensors = dict(tensors, w0=i8, w1=i8, w2=i8, q0=qs, q1=qs, q2=qs)
     out["accesses"] = {
+        "int8_direct": accesses(tg.rana_masked_gemv_int8, dict(int8_tensors, out_ptr=y, ws_ptr=ws, G=3, WORKSPACE=False,
+                                                               **sizes)),
+        "int8_workspace": accesses(tg.rana_masked_gemv_int8, dict(int8_tensors, out_ptr=y, ws_ptr=ws, G=3,
+                                                                  WORKSPACE=True, **sizes)),
         "gemv_direct": accesses(tg.rana_masked_gemv, dict(tensors, out_ptr=y, ws_ptr=ws, G=3, WORKSPACE=False, **sizes)),
         "gemv_workspace": accesses(tg.rana_masked_gemv, dict(tensors, out_ptr=y, ws_ptr=ws, G=3, WORKSPACE=True, **sizes)),
         "reduce": accesses(tg.rana_gemv_reduce, dict(ws_ptr=ws, y_ptr=y, N=192, SPLIT=2, BLOCK=1024)),
@@ -135,6 +194,7 @@ def test_inductor_regeneration_keeps_every_helper(compiled):
     assert compiled["sources"]["rana_masked_gemv"] == ["_kept_rows_dot", "_project", "_active"]
     assert compiled["sources"]["rana_gemv_reduce"] == []
     assert compiled["sources"]["rana_dense_gemv"] == ["_dense_rows"]
+    assert compiled["sources"]["rana_masked_gemv_int8"] == ["_kept_rows_dot", "_project", "_active"]
 
 
 def test_every_specialization_compiles_for_sm90(compiled):
@@ -149,6 +209,15 @@ def test_every_specialization_compiles_for_sm90(compiled):
     dense = [r for r in rows if r["kernel"] == "rana_dense_gemv"]
     assert {(r["dtype"], r["constexprs"]["G"]) for r in dense} == {(d, g) for d in ("bfloat16", "float16", "float32")
                                                                    for g in (1, 2, 3)}
+    # int8 weights: every activation dtype, group size and mode (incl. "none", the dense int8 GEMV), both store
+    # paths, with the int8 config (more rows per step than the float kernels)
+    int8 = [r for r in rows if r["kernel"] == "rana_masked_gemv_int8"]
+    assert {r["dtype"] for r in int8} == {"bfloat16", "float16", "float32"}
+    assert {r["constexprs"]["G"] for r in int8} == {1, 2, 3}
+    assert {r["constexprs"]["MODE"] for r in int8} == set(tg.MODE_IDS.values())
+    assert {r["constexprs"]["WORKSPACE"] for r in int8} == {True, False}
+    assert {(r["constexprs"]["BLOCK_N"], r["constexprs"]["BLOCK_K"]) for r in int8} == {(tg.INT8_BLOCK_N,
+                                                                                      tg.INT8_BLOCK_K)}
 
 
 def test_k_loop_streams(compiled):
@@ -196,6 +265,22 @@ def test_choose_config_takes_the_table_entry_else_the_heuristic(compiled_path_co
     assert tg.choose_config(ks, ns, torch.bfloat16, "abs", 2, cpu) == tg.heuristic_config(ks, ns, torch.bfloat16, cpu)
 
 
+def test_int8_weights_have_their_own_table_keys_and_heuristic(compiled_path_configs):
+    import torch
+
+    cpu = torch.device("cpu")
+    ks, ns = (4096,), (14336,)
+    key, key8 = tg.table_key(ks, ns, torch.bfloat16, 2), tg.table_key(ks, ns, torch.bfloat16, 2, torch.int8)
+    assert key8 != key and "int8" in key8 and tg.table_key(ks, ns, torch.bfloat16, 2, torch.bfloat16) == key
+    heuristic8 = tg.heuristic_config(ks, ns, torch.bfloat16, cpu, weight_dtype=torch.int8)
+    assert (heuristic8.block_n, heuristic8.block_k) == (tg.INT8_BLOCK_N, tg.INT8_BLOCK_K)
+    tg.set_config_table({"gpus": {"cpu": {key: [32, 128, 1, 8]}}})  # a float entry does not serve int8
+    assert tg.choose_config(ks, ns, torch.bfloat16, "abs", 2, cpu, weight_dtype=torch.int8) == heuristic8
+    tg.set_config_table({"gpus": {"cpu": {key8: [128, 256, 1, 8]}}})
+    assert tg.choose_config(ks, ns, torch.bfloat16, "abs", 2, cpu, weight_dtype=torch.int8) == (128, 256, 1, 8)
+    assert tg.choose_config(ks, ns, torch.bfloat16, "abs", 2, cpu) == tg.heuristic_config(ks, ns, torch.bfloat16, cpu)
+
+
 def test_heuristic_fills_the_gpu_and_skips_the_split_when_outputs_do(compiled_path_configs):
     import torch
 
@@ -229,3 +314,5 @@ def test_inductor_sees_exactly_what_each_kernel_writes(compiled):
     assert {"w0", "w1", "w2", "v0", "t0", "b0"} <= set(acc["gemv_direct"][0])
     assert acc["reduce"] == (["ws_ptr"], ["y_ptr"]) or acc["reduce"] == [["ws_ptr"], ["y_ptr"]]
     assert acc["dense"][1] == ["out_ptr"] and {"w0", "w1", "v0", "v1"} <= set(acc["dense"][0])
+    assert acc["int8_direct"][1] == ["out_ptr"] and acc["int8_workspace"][1] == ["ws_ptr"]
+    assert {"w0", "w1", "w2", "q0", "q1", "q2", "v0", "t0", "b0"} <= set(acc["int8_direct"][0])

@@ -1,0 +1,339 @@
+"""int8-weight masked GEMV (issue 28): the native CPU kernel, the torch paths, the Triton kernel under the
+interpreter, the torch.library ops and the module-facing ``decode_masked_int8``.
+
+    y = qscale ⊙ ((m ⊙ v) @ q_t)  (+ bias),   q_t int8 (K, N), qscale fp32 (N,)
+
+Every result is checked against an independent float64 sum over the active rows written here, with
+thresholds placed midway between two sorted scores (test_kernels._threshold_for) so the active count is
+known exactly and no score sits on the boundary.
+"""
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from rana.kernels import cpu_gemv as cg
+from rana.kernels import masked_gemv as mg
+from rana.kernels import ops
+from rana.kernels import triton_gemv as tg
+
+from test_kernels import _scores64, _threshold_for
+
+MODES = ["none", "square", "abs_scaled", "abs"]
+DTYPES = [torch.float32, torch.bfloat16, torch.float16]
+
+
+# --------------------------------------------------------------------------------------------
+# problems and the independent expectation
+# --------------------------------------------------------------------------------------------
+def _problem(K, N, dtype, mode, frac, *, bias=True, seed=0, lead=(1,)):
+    """(q_t, qscale, v, t, scale, bias); t a python float (-inf for mode "none")."""
+    g = torch.Generator().manual_seed(seed)
+    q_t = torch.randint(-127, 128, (K, N), generator=g, dtype=torch.int8)
+    qscale = torch.rand(N, generator=g) * 0.02 + 1e-3
+    v = torch.randn(*lead, K, generator=g).to(dtype)
+    scale = (torch.rand(K, generator=g) + 0.25) if mode == "abs_scaled" else None
+    b = torch.randn(N, generator=g) if bias else None
+    if mode == "none":
+        t = -math.inf
+    else:
+        t = _threshold_for(_scores64(v, mode, scale), round(frac * v.numel()))
+    return q_t, qscale, v, t, scale, b
+
+
+def _expected(q_t, qscale, v, t, mode, scale=None, bias=None):
+    """float64, token by token: sum over the active k of v_k * q_t[k, :], times qscale, + bias; and the
+    magnitude of the sum of |terms| (what accumulation error scales with)."""
+    K, N = q_t.shape
+    rows = v.reshape(-1, K).double()
+    q = q_t.double()
+    out = torch.zeros(rows.shape[0], N, dtype=torch.float64)
+    mag = torch.zeros(rows.shape[0], N, dtype=torch.float64)
+    for r, vr in enumerate(rows):
+        active = torch.arange(K) if mode == "none" else (_scores64(vr, mode, scale) >= t).nonzero().flatten()
+        out[r] = vr[active] @ q[active] * qscale.double()
+        mag[r] = vr[active].abs() @ q[active].abs() * qscale.double()
+        if bias is not None:
+            out[r] += bias.double()
+    return out.reshape(*v.shape[:-1], N), float(mag.max()) if mag.numel() else 0.0
+
+
+def _assert_close(y, expected, dtype, *, rounding_ulps=1.0):
+    exp, mag = expected
+    assert y.dtype == dtype, y.dtype
+    assert y.shape == exp.shape, (y.shape, exp.shape)
+    top = max(float(exp.abs().max()) if exp.numel() else 0.0, 1.0)
+    atol = 1e-5 * max(mag, 1.0)  # fp32 accumulation
+    if dtype != torch.float32:
+        atol += rounding_ulps * torch.finfo(dtype).eps * top  # the output rounded once to v's dtype
+    torch.testing.assert_close(y.double(), exp, atol=atol, rtol=0)
+
+
+@pytest.fixture
+def native():
+    if cg.native_kernel_int8() is None:
+        pytest.skip(f"native CPU kernel unavailable here: {cg.native_status()}")
+
+
+@pytest.fixture
+def interpreter():
+    if not (tg.triton_available() and tg.interpreting()):
+        pytest.skip("needs triton and TRITON_INTERPRET=1")
+
+
+# --------------------------------------------------------------------------------------------
+# native CPU kernel
+# --------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("mode,frac", [("none", 1.0)] + [(m, f) for m in MODES[1:] for f in (0.0, 0.3, 1.0)])
+@pytest.mark.parametrize("nthreads", [1, 2])
+def test_native_int8_matches_float64(native, dtype, mode, frac, nthreads):
+    """Empty, partial and full masks; K and N not multiples of 4 / 16 / 64; the OpenMP column split
+    (N=320 at 2 threads); with and without bias; fp32, bf16 and fp16 inputs."""
+    torch.set_num_threads(nthreads)
+    for K, N, lead in [(203, 130, (1,)), (576, 320, (1, 1)), (7, 3, ())]:
+        q_t, qs, v, t, scale, b = _problem(K, N, dtype, mode, frac, seed=K + N, lead=lead)
+        for bias in (b, None):
+            exp = _expected(q_t, qs, v, t, mode, scale, bias)
+            y = cg.masked_linear_native_int8(q_t, qs, v, t, cg.MODE_IDS[mode], scale, bias)
+            assert y is not None
+            _assert_close(y, exp, dtype)
+            y2 = cg.masked_gemv_native_int8(q_t, qs, v, t, mode, scale=scale, bias=bias)
+            torch.testing.assert_close(y2, y, atol=0, rtol=0)
+            if frac == 0.0 and mode != "none":  # nothing active: exactly the bias (or zeros)
+                only_bias = (bias if bias is not None else torch.zeros(N)).to(dtype).float()
+                assert torch.equal(y.reshape(N).float(), only_bias)
+
+
+def test_native_int8_threads_agree(native):
+    """The column split changes no sum: 1 and 2 threads give the same bits."""
+    q_t, qs, v, t, _, b = _problem(300, 1000, torch.float32, "abs", 0.4, seed=3)
+    torch.set_num_threads(1)
+    y1 = cg.masked_linear_native_int8(q_t, qs, v, t, cg.MODE_IDS["abs"], None, b)
+    torch.set_num_threads(2)
+    y2 = cg.masked_linear_native_int8(q_t, qs, v, t, cg.MODE_IDS["abs"], None, b)
+    assert torch.equal(y1, y2)
+
+
+def test_native_int8_strided_rows(native):
+    """A row stride larger than N (a column slice of a wider int8 matrix) reads the right bytes."""
+    q_wide, qs, v, t, _, b = _problem(64, 100, torch.float32, "square", 0.5, seed=4)
+    q_t = q_wide[:, 10:70]
+    assert q_t.stride() == (100, 1)
+    y = cg.masked_linear_native_int8(q_t, qs[10:70], v, t, cg.MODE_IDS["square"], None, b[10:70])
+    _assert_close(y, _expected(q_t, qs[10:70], v, t, "square", None, b[10:70]), torch.float32)
+
+
+def test_native_int8_declines_what_it_cannot_do(native):
+    q_t, qs, v, t, _, b = _problem(40, 24, torch.float32, "abs", 0.5)
+    abs_id = cg.MODE_IDS["abs"]
+    assert cg.masked_linear_native_int8(q_t.float(), qs, v, t, abs_id) is None  # not int8
+    assert cg.masked_linear_native_int8(q_t.t().contiguous().t(), qs, v, t, abs_id) is None  # not unit stride along N
+    assert cg.masked_linear_native_int8(q_t, qs, torch.randn(2, 40), t, abs_id) is None  # two tokens
+    assert cg.masked_linear_native_int8(q_t, qs, v, t, cg.MODE_IDS["abs_scaled"]) is None  # no scale
+    assert cg.masked_linear_native_int8(q_t, qs, v.clone().requires_grad_(), t, abs_id) is None  # autograd
+    with torch.no_grad():
+        assert cg.masked_linear_native_int8(q_t, qs, v.clone().requires_grad_(), t, abs_id) is not None
+
+
+def test_unavailable_native_kernel_falls_back(monkeypatch):
+    monkeypatch.setattr(cg, "_load", lambda: (None, "torch fallback (disabled in this test)"))
+    assert cg.native_kernel_int8() is None
+    q_t, qs, v, t, _, b = _problem(50, 30, torch.float32, "abs", 0.3, seed=5)
+    assert cg.masked_linear_native_int8(q_t, qs, v, t, cg.MODE_IDS["abs"], None, b) is None
+    exp = _expected(q_t, qs, v, t, "abs", None, b)
+    _assert_close(mg.masked_gemv_int8_torch(q_t, qs, v, t, mode="abs", bias=b), exp, torch.float32)
+    _assert_close(ops.decode_masked_int8(q_t, qs, v, torch.tensor(t), "abs", None, b), exp, torch.float32)
+
+
+def test_library_name_follows_the_source():
+    """The int8 kernel lives in the cached library: its name (hash of the source) covers it."""
+    assert "rana_masked_gemv_i8" in cg._SOURCE
+    name = cg.library_name("cc", cg.BUILD_FLAGS)
+    original = cg._SOURCE
+    try:
+        cg._SOURCE = original.replace("rana_masked_gemv_i8", "rana_masked_gemv_i8x")
+        assert cg.library_name("cc", cg.BUILD_FLAGS) != name
+    finally:
+        cg._SOURCE = original
+
+
+# --------------------------------------------------------------------------------------------
+# torch paths
+# --------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("mode", MODES)
+def test_torch_paths_match_float64(dtype, mode):
+    for frac in ((1.0,) if mode == "none" else (0.0, 0.2, 0.7, 1.0)):
+        # several tokens (any leading dims) through the dense path
+        q_t, qs, v, t, scale, b = _problem(45, 21, dtype, mode, frac, seed=6, lead=(2, 3))
+        for bias in (b, None):
+            exp = _expected(q_t, qs, v, t, mode, scale, bias)
+            thr = None if mode == "none" else t
+            _assert_close(mg.masked_gemv_int8_dense(q_t, qs, v, thr, mode=mode, scale=scale, bias=bias), exp, dtype)
+            _assert_close(mg.masked_gemv_int8(q_t, qs, v, thr, mode=mode, scale=scale, bias=bias), exp, dtype)
+            ref = mg.masked_gemv_int8_reference(q_t, qs, v, thr, mode=mode, scale=scale, bias=bias)
+            torch.testing.assert_close(ref, exp[0], atol=1e-9 * max(exp[1], 1.0), rtol=0)
+        # one token: the gather path and the CPU dispatcher (native when built), a tensor threshold too
+        q_t, qs, v, t, scale, b = _problem(45, 21, dtype, mode, frac, seed=7)
+        exp = _expected(q_t, qs, v, t, mode, scale, b)
+        thr = None if mode == "none" else torch.tensor(t, dtype=torch.float32)
+        for fn in (mg.masked_gemv_int8_gather, mg.masked_gemv_int8_torch, mg.masked_gemv_int8):
+            _assert_close(fn(q_t, qs, v, thr, mode=mode, scale=scale, bias=b), exp, dtype)
+
+
+def test_dense_path_runs_on_meta_without_sync():
+    """Sync-free: the dense path never reads a value on the host (it runs on meta tensors)."""
+    q_t = torch.empty(64, 32, dtype=torch.int8, device="meta")
+    qs = torch.empty(32, device="meta")
+    v = torch.empty(3, 64, dtype=torch.bfloat16, device="meta")
+    t = torch.empty((), device="meta")
+    for mode in MODES:
+        y = mg.masked_gemv_int8_dense(q_t, qs, v, t, mode=mode, scale=torch.empty(64, device="meta"),
+                                      bias=torch.empty(32, device="meta"))
+        assert y.shape == (3, 32) and y.dtype == torch.bfloat16
+
+
+def test_int8_checks():
+    q_t, qs, v, t, _, _ = _problem(16, 8, torch.float32, "abs", 0.5)
+    with pytest.raises(ValueError, match="int8"):
+        mg.masked_gemv_int8_dense(q_t.float(), qs, v, t, mode="abs")
+    with pytest.raises(ValueError, match="qscale"):
+        mg.masked_gemv_int8_dense(q_t, qs[:3], v, t, mode="abs")
+    with pytest.raises(ValueError, match="mode"):
+        mg.masked_gemv_int8_dense(q_t, qs, v, t, mode="bogus")
+    with pytest.raises(ValueError, match="scale"):
+        mg.masked_gemv_int8_dense(q_t, qs, v, t, mode="abs_scaled")
+
+
+# --------------------------------------------------------------------------------------------
+# Triton kernel under the interpreter
+# --------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_triton_int8_matches_float64(interpreter, dtype):
+    """Every mode incl. "none", odd shapes (K, N not multiples of the blocks), bias / no bias, empty and
+    full masks; the interpreter's config splits K (workspace + reduce launch)."""
+    for mode in MODES:
+        for frac in ((1.0,) if mode == "none" else (0.0, 0.4, 1.0)):
+            q_t, qs, v, t, scale, b = _problem(37, 29, dtype, mode, frac, seed=8)
+            for bias in (b, None):
+                exp = _expected(q_t, qs, v, t, mode, scale, bias)
+                thr = None if mode == "none" else torch.tensor(t)
+                y = mg.masked_gemv_int8_triton(q_t, qs, v, thr, mode=mode, scale=scale, bias=bias)
+                _assert_close(y, exp, dtype, rounding_ulps=2.0)  # the interpreter's casts may truncate
+
+
+def test_triton_int8_grouped_and_both_store_paths(interpreter):
+    """q/k/v as one launch (GQA widths, biases on q and v only), and configs with SPLIT == 1 (direct store)
+    and SPLIT > 1 (fp32 partials, each scaled once, summed by the reduce launch)."""
+    dtype = torch.bfloat16
+    groups = [_problem(40, n, dtype, "abs", frac, seed=s, bias=bias)
+              for n, frac, s, bias in ((48, 0.5, 9, True), (16, 0.3, 10, False), (16, 0.8, 11, True))]
+    v = groups[0][2]
+    q_ts, qss, ts, bs = [g[0] for g in groups], [g[1] for g in groups], [g[3] for g in groups], [g[5] for g in groups]
+    exp = torch.cat([_expected(q, qs, v, t, "abs", None, b)[0].reshape(-1) for q, qs, t, b in zip(q_ts, qss, ts, bs)])
+    mag = max(_expected(q, qs, v, t, "abs", None, b)[1] for q, qs, t, b in zip(q_ts, qss, ts, bs))
+    thresholds = [torch.tensor(t) for t in ts]
+    outs = [tg.grouped_masked_gemv_int8_triton([v] * 3, q_ts, qss, thresholds, "abs", [None] * 3, bs)]
+    for cfg in (tg.GemvConfig(16, 8, 1, 4), tg.GemvConfig(32, 8, 3, 4), tg.GemvConfig(64, 16, 8, 4)):
+        outs.append(tg._launch([v] * 3, q_ts, thresholds, "abs", [None] * 3, bs, cfg, qscales=qss))
+    outs.append(torch.cat(ops.decode_masked_int8_grouped([v] * 3, q_ts, qss, thresholds, "abs", [None] * 3, bs)))
+    for y in outs:
+        _assert_close(y, (exp, mag), dtype, rounding_ulps=2.0)
+
+
+def test_triton_op_and_decode_path_under_interpreter(interpreter, monkeypatch):
+    q_t, qs, v, t, scale, b = _problem(33, 20, torch.float16, "abs_scaled", 0.5, seed=12, lead=(1, 1))
+    exp = _expected(q_t, qs, v, t, "abs_scaled", scale, b)
+    thr = torch.tensor(t)
+    if ops.HAS_TRITON:
+        flat = torch.ops.rana.masked_gemv_int8_triton([v], [q_t], [qs], [thr], "abs_scaled", [scale], [b], 2)
+        _assert_close(flat.reshape(1, 1, 20), exp, torch.float16, rounding_ulps=2.0)
+    monkeypatch.setattr(ops, "_INTERPRET", True)  # RANA_TRITON_ON_CPU=1: CPU tensors take the kernel eagerly
+    assert ops.uses_triton(v)
+    y = ops.decode_masked_int8(q_t, qs, v, thr, "abs_scaled", scale, b)
+    _assert_close(y, exp, torch.float16, rounding_ulps=2.0)
+    dense = ops.decode_masked_int8(q_t, qs, v, thr, "none", None, b)
+    _assert_close(dense, _expected(q_t, qs, v, -math.inf, "none", None, b), torch.float16, rounding_ulps=2.0)
+
+
+# --------------------------------------------------------------------------------------------
+# ops, decode_masked_int8, torch.compile
+# --------------------------------------------------------------------------------------------
+def test_ops_are_registered():
+    assert {"rana::masked_gemv_int8", "rana::masked_gemv_int8_grouped"} <= set(ops.OP_NAMES)
+    if ops.HAS_TRITON:
+        assert "rana::masked_gemv_int8_triton" in ops.OP_NAMES
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_opcheck_and_fake_shapes(mode):
+    q_t, qs, v, t, scale, b = _problem(40, 24, torch.bfloat16, mode, 0.5, lead=(1, 1))
+    thr = torch.tensor(0.0 if mode == "none" else t)
+    torch.library.opcheck(torch.ops.rana.masked_gemv_int8.default, (q_t, qs, v, thr, mode, scale, b))
+    y = torch.ops.rana.masked_gemv_int8(q_t, qs, v, thr, mode, scale, b)
+    _assert_close(y, _expected(q_t, qs, v, t, mode, scale, b), torch.bfloat16)
+    q2, qs2, _, t2, s2, _ = _problem(40, 8, torch.bfloat16, mode, 0.3, seed=1, bias=False)
+    thr2 = torch.tensor(0.0 if mode == "none" else t2)
+    args = ([v, v], [q_t, q2], [qs, qs2], [thr, thr2], mode, [scale, s2], [b, None])
+    torch.library.opcheck(torch.ops.rana.masked_gemv_int8_grouped.default, args)
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    with FakeTensorMode() as fake:
+        f = lambda x: fake.from_tensor(x) if isinstance(x, torch.Tensor) else x  # noqa: E731
+        y = torch.ops.rana.masked_gemv_int8(f(q_t), f(qs), f(torch.randn(2, 5, 40)), f(thr), mode, f(scale), f(b))
+        assert y.shape == (2, 5, 24) and y.dtype == torch.float32
+        flat = torch.ops.rana.masked_gemv_int8_grouped([f(v), f(v)], [f(q_t), f(q2)], [f(qs), f(qs2)],
+                                                       [f(thr), f(thr2)], mode, [f(scale), f(s2)], [f(b), None])
+        assert flat.shape == (32,) and flat.dtype == torch.bfloat16
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_decode_masked_int8_eager(dtype):
+    for mode in MODES:
+        q_t, qs, v, t, scale, b = _problem(70, 50, dtype, mode, 0.4, seed=13, lead=(1, 1))
+        thr = torch.tensor(0.0 if mode == "none" else t)
+        y = ops.decode_masked_int8(q_t, qs, v, thr, mode, scale, b)
+        _assert_close(y, _expected(q_t, qs, v, t, mode, scale, b), dtype)
+        # several tokens: the dense dequantized product
+        q_t, qs, v, t, scale, b = _problem(70, 50, dtype, mode, 0.4, seed=14, lead=(3,))
+        y = ops.decode_masked_int8(q_t, qs, v, torch.tensor(0.0 if mode == "none" else t), mode, scale, b)
+        _assert_close(y, _expected(q_t, qs, v, t, mode, scale, b), dtype)
+
+
+def test_compiled_fullgraph_calls_the_op(monkeypatch):
+    """torch.compile(fullgraph=True) of a function calling decode_masked_int8 (and the grouped form) on CPU:
+    no graph break, the custom ops in the graph, the eager result; aot_eager checks the fake impls."""
+    monkeypatch.setattr(ops, "_INTERPRET", False)
+    torch._dynamo.reset()
+    q_t, qs, v, t, scale, b = _problem(64, 48, torch.float32, "abs_scaled", 0.5, seed=15, lead=(1, 1))
+    q2, qs2, _, t2, _, _ = _problem(64, 16, torch.float32, "abs", 0.5, seed=16, bias=False)
+    thr, thr2 = torch.tensor(t), torch.tensor(t2)
+
+    def step(x):
+        y = ops.decode_masked_int8(q_t, qs, x, thr, "abs_scaled", scale, b)
+        d = ops.decode_masked_int8(q_t, qs, x, thr, "none", None, None)
+        g = ops.decode_masked_int8_grouped([x, x], [q_t, q2], [qs, qs2], [thr, thr2], "abs", [None, None],
+                                           [b, None])
+        return torch.relu(y) + d, torch.cat(g)
+
+    graphs = []
+
+    def recording(gm, example_inputs):
+        graphs.append(gm)
+        return gm.forward
+
+    eager = step(v)
+    for backend in (recording, "aot_eager"):
+        torch._dynamo.reset()
+        out = torch.compile(step, fullgraph=True, backend=backend)(v)
+        for o, e in zip(out, eager):
+            torch.testing.assert_close(o, e, atol=1e-5, rtol=1e-5)
+    targets = {str(n.target) for n in graphs[0].graph.nodes if n.op == "call_function"}
+    assert {"rana.masked_gemv_int8", "rana.masked_gemv_int8_grouped"} <= targets, targets
+    (y_exp, y_mag), (d_exp, d_mag) = (_expected(q_t, qs, v, t, "abs_scaled", scale, b),
+                                      _expected(q_t, qs, v, -math.inf, "none"))
+    _assert_close(eager[0], (torch.relu(y_exp) + d_exp, y_mag + d_mag), torch.float32)
+    torch._dynamo.reset()
