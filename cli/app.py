@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import typer
 
-from . import compress_cmd, eval_cmd, export_cmd, finetune_cmd, sweep_cmd
+from . import compress_cmd, eval_cmd, export_cmd, finetune_cmd, quantize_cmd, sweep_cmd
 from .common import setup_environment
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
@@ -20,7 +20,7 @@ def _root(version: bool = typer.Option(False, "--version", help="print the versi
         raise typer.Exit()
 
 
-for _command in (compress_cmd, eval_cmd, sweep_cmd, finetune_cmd, export_cmd):
+for _command in (compress_cmd, eval_cmd, sweep_cmd, finetune_cmd, export_cmd, quantize_cmd):
     _command.register(app)
 
 

@@ -103,6 +103,9 @@ def register(app: typer.Typer) -> None:
         overwrite: bool = typer.Option(False, help="replace an existing --out folder"),
         max_memory: Optional[str] = typer.Option(None, "--max-memory", help="cap on the compute device's memory, e.g. 2GB or 80GiB: "
                                                  "checked against one layer's need before any work; on a CPU device a bigger checkpoint is streamed from disk"),
+        weights: str = typer.Option(CompressConfig.weights, "--weights", help="none: full-precision weights | int8: "
+                                    "quantize every linear of the decoder and the LM head last (per-output-channel "
+                                    "int8, fp32 scales), thresholds refit on the quantized model"),
         offload_dir: Optional[Path] = typer.Option(None, "--offload-dir", help="stream the decoder layers from the checkpoint's safetensors "
                                                    "one at a time; compressed layers and calibration activations are kept here"),
     ) -> None:
@@ -118,7 +121,7 @@ def register(app: typer.Typer) -> None:
         options = dict(model=model, flops=flops, method=method, allocation=allocation, lm_head=lm_head, dataset=dataset,
                        dataset_config=dataset_config, split=split, text_column=text_column, calib_tokens=calib_tokens,
                        seq_len=seq_len, batch_size=batch_size, dtype=dtype, device=device, grid_step=grid_step, seed=seed,
-                       max_memory=max_memory, offload_dir=str(offload_dir) if offload_dir else None)
+                       max_memory=max_memory, offload_dir=str(offload_dir) if offload_dir else None, weights=weights)
         config = CompressConfig(**_with_recipe(ctx, options, recipe))
         config.validate()
         config = config.resolved()  # the folder and its recipe record what ran, not "auto"
@@ -143,6 +146,12 @@ def register(app: typer.Typer) -> None:
         if (head := p.get("lm_head", {})).get("kind", "dense") != "dense":
             stdout.print(f"LM head: input sparsity, k̄={head['measured_active']:.0f}/{head['in_features']} inputs kept on "
                          f"held-aside tokens, logits error {head['heldout_error']:.4f}", highlight=False, soft_wrap=True)
+        if (q := p.get("quantization")) is not None:
+            errors = [m["relative_error"] for m in q["modules"]]
+            stdout.print(f"int8 weights: {len(errors)} modules, relative output error mean "
+                         f"{sum(errors) / max(len(errors), 1):.2e}, max {max(errors, default=0.0):.2e}; "
+                         f"{len(q.get('refit') or {})} thresholds refit on the quantized model", highlight=False,
+                         soft_wrap=True)
         stdout.print(f"target FLOPs {p['target_flops']:.3f}, measured {p['measured_flops']:.4f} on {p['measured_on']}; "
                      f"wrote {out}/ ({written_files(out)}) in {p['wall_time_s']:.0f}s", highlight=False, soft_wrap=True)
         if abs(p["measured_flops"] - p["target_flops"]) > 0.01:

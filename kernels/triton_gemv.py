@@ -542,12 +542,13 @@ def grouped_masked_gemv_triton(vs, w_ts, thresholds, mode: str, scales, biases, 
 
 
 def grouped_masked_gemv_int8_triton(vs, q_ts, qscales, thresholds, mode: str, scales, biases, sbin: int = 2,
-                                    wrap=None) -> torch.Tensor:
+                                    wrap=None, config: GemvConfig | None = None) -> torch.Tensor:
     """:func:`grouped_masked_gemv_triton` for int8 weights: ``out_g = qscale_g ⊙ ((m_g ⊙ v_g) @ q_t_g)
     (+ bias_g)``, q_t_g int8 (K_g, N_g) with unit stride along N, qscale_g (N_g,) (read as fp32). The kept int8 rows
     are converted to fp32 on the load and accumulated in fp32; each program multiplies its sum by the
     scale once, before the bias (a split's partials are each scaled, then summed by the reduce launch).
-    Config: :func:`choose_config` with ``weight_dtype=torch.int8`` (its own table keys and heuristic)."""
+    Config: ``config`` when given (the tuner, tests of both store paths), else :func:`choose_config` with
+    ``weight_dtype=torch.int8`` (its own table keys and heuristic)."""
     _check_group(vs, q_ts, thresholds, scales, biases, mode)
     if len(qscales) != len(q_ts):
         raise ValueError("one qscale per projection")
@@ -556,7 +557,7 @@ def grouped_masked_gemv_int8_triton(vs, q_ts, qscales, thresholds, mode: str, sc
             raise ValueError(f"int8 masked GEMV: an int8 (K, N) weight and N scales, got {q.dtype} "
                              f"{tuple(q.shape)} and {qs.dtype} {tuple(qs.shape)}")
     ks, ns = [w.shape[0] for w in q_ts], [w.shape[1] for w in q_ts]
-    cfg = choose_config(ks, ns, vs[0].dtype, mode, sbin, vs[0].device, weight_dtype=torch.int8)
+    cfg = config or choose_config(ks, ns, vs[0].dtype, mode, sbin, vs[0].device, weight_dtype=torch.int8)
     return _launch(vs, q_ts, thresholds, mode, scales, biases, cfg, wrap=wrap,
                    qscales=[qs.reshape(-1) for qs in qscales])
 

@@ -34,35 +34,42 @@ from .modules import NeuronThresholdLinear, link_decode_groups
 from .modules.common import restore_layouts
 from .modules.laurel import LaurelConfig, apply_laurel
 from .modules.neuron_linear import InputSparseHead
-from .modules.registry import ADAPTER_CLASSES
+from .modules.registry import ADAPTER_CLASSES, INT8_CLASSES
 
 QUANT_METHOD = "rana"
 # what plain transformers prints (after "...neither a safetensors file ... nor an index file:") when rana is absent
 WEIGHTS_GUARD = ("this model was compressed with rana: `pip install rana` to load it with its quantizer "
                  "(or pass trust_remote_code=True to run the code shipped in the folder)")
-FP32_BUFFERS = ("threshold", "column_norms")  # masks compare against these: never rounded to bf16 / fp16
+# masks compare against these, and int8 weights are scaled by weight_scale: never rounded to bf16 / fp16
+FP32_BUFFERS = ("threshold", "column_norms", "weight_scale")
 
 
 class RanaQuantizationConfig(QuantizationConfigMixin):
     """What config.json's quantization_config records: the adapters, LAuReL and the format version."""
 
     def __init__(self, adapters: list | None = None, laurel: dict | None = None, format_version: int | None = None,
-                 rana_version: str | None = None, **_ignored):
+                 rana_version: str | None = None, weights: str | None = None, int8: dict | None = None, **_ignored):
         self.quant_method = QUANT_METHOD
         self.format_version = format_version
         self.rana_version = rana_version
         self.adapters = list(adapters or [])
         self.laurel = dict(laurel) if laurel else None
+        # int8 weights (rana.modules.int8): "int8" and {"modules": [paths]}; absent for full-precision exports
+        self.weights = weights if weights and weights != "none" else None
+        self.int8 = dict(int8) if int8 else None
 
     def to_dict(self) -> dict:
-        return {"quant_method": QUANT_METHOD, "format_version": self.format_version,
-                "rana_version": self.rana_version, "adapters": self.adapters, "laurel": self.laurel}
+        out = {"quant_method": QUANT_METHOD, "format_version": self.format_version,
+               "rana_version": self.rana_version, "adapters": self.adapters, "laurel": self.laurel}
+        if self.weights:
+            out.update({"weights": self.weights, "int8": self.int8})
+        return out
 
 
 def quantization_config_dict(meta: dict, rana_version: str | None) -> dict:
     """config.json's quantization_config for a rana folder's rana_config.json `meta`."""
     return RanaQuantizationConfig(meta["adapters"], meta.get("laurel") or None, meta.get("format_version"),
-                                  rana_version).to_dict()
+                                  rana_version, meta.get("weights"), meta.get("int8")).to_dict()
 
 
 def drop_weights_guard(config):
@@ -75,10 +82,11 @@ def drop_weights_guard(config):
 def prepare_model(model: nn.Module, qconfig: RanaQuantizationConfig) -> None:
     """Before the weights load (the model on the meta device): empty adapters of the recorded shapes,
     LAuReL residuals, and thresholds kept float32 whatever dtype the rest loads in."""
-    from .io.format import install_empty_adapters  # rana.io imports transformers' auto classes: not at import
+    from .io.format import install_empty_adapters, install_weights  # rana.io imports transformers' auto classes: not at import
 
     dtype = next(model.parameters()).dtype
     install_empty_adapters(model, qconfig.adapters, dtype)
+    install_weights(model, {"weights": getattr(qconfig, "weights", None) or "none", "int8": getattr(qconfig, "int8", None)})
     if qconfig.laurel:
         apply_laurel(model, LaurelConfig.from_dict(dict(qconfig.laurel)))
     strict = list(getattr(model, "_keep_in_fp32_modules_strict", None) or [])
@@ -97,6 +105,14 @@ def finalize_model(model: nn.Module, qconfig: RanaQuantizationConfig) -> nn.Modu
 
     adapters = tuple(ADAPTER_CLASSES)
     for module in model.modules():
+        if type(module) in INT8_CLASSES:  # int8 codes row-major (in × out), scales float32
+            q, scale = module._buffers["qweight"], module._buffers["weight_scale"]
+            if not q.is_contiguous():
+                module._buffers["qweight"] = q.contiguous()
+            if scale.dtype != torch.float32:
+                module._buffers["weight_scale"] = scale.float()
+            if not isinstance(module, adapters):
+                continue
         if not isinstance(module, adapters):
             continue
         restore_layouts(module)
@@ -106,7 +122,8 @@ def finalize_model(model: nn.Module, qconfig: RanaQuantizationConfig) -> nn.Modu
                 module._buffers[name] = buf.float()
         if isinstance(module, NeuronThresholdLinear):
             module.refresh_norms()
-        elif isinstance(module, InputSparseHead) and module.weight is not model.get_input_embeddings().weight:
+        elif (isinstance(module, InputSparseHead) and type(module) not in INT8_CLASSES
+              and module.weight is not model.get_input_embeddings().weight):
             module.column_major_()  # an untied head's own weight (a tied one stays the embedding's)
         if hasattr(module, "reset_meter"):
             module.reset_meter()  # the meter's counters were made on the meta device

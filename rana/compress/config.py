@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 from ..checks import check_device
-from ..io.format import CompressSettings
+from ..io.format import WEIGHT_FORMATS, CompressSettings
 from ..units import parse_memory
 
 from ..methods import METHODS  # the registry names, current when read
@@ -70,3 +70,8 @@ class CompressConfig(CompressSettings):
             raise ValueError(f"--grid-step must be in (0, 1] (a share of the MLP budget), got {self.grid_step}")
         check_device(self.device)
         check_device(self.offload_device)
+        if self.weights not in WEIGHT_FORMATS:
+            raise ValueError(f"unknown --weights '{self.weights}' (choose {' or '.join(WEIGHT_FORMATS)})")
+        if self.weights == "int8" and self.offload_dir:
+            raise ValueError("--weights int8 does not work with layers streamed from disk (--offload-dir); compress "
+                             "in memory, or compress first and run `rana quantize` on the folder")

@@ -16,6 +16,7 @@ from ..data import DataError, calibration_batches, load_texts, tokenize_stream
 from ..io.folder import OffloadedLayers
 from ..math.flops import adapted_fraction
 from ..methods import LayerContext, Method, get_method, qkv_modules, relative_error
+from ..quantize import check_quantizable, quantize_model
 from ..units import DTYPES
 from .calibrate import capture_first_layer_inputs, collect_inputs, run_layer
 from .config import CompressConfig
@@ -100,10 +101,16 @@ def compress_model(model: nn.Module, tokenizer, config: CompressConfig, calibrat
     config = config.resolved()
     method = get_method(config.method)
     fraction, budget_info = budget_for(model.config, method, config.flops, config.seq_len, config.lm_head)
+    if config.weights == "int8":
+        if lazy_weights is not None:
+            raise ValueError("--weights int8 does not work with layers streamed from disk; compress in memory, or "
+                             "compress first and run `rana quantize` on the folder")
+        check_quantizable(model)
     if on_budget:
         on_budget(budget_info)
     result = _compress_layers(model, tokenizer, config, calibration, method, fraction, budget_info, progress,
                               lazy_weights)
+    _quantize_last(result, config, calibration, progress)
     # the adapters are new modules, built in training mode: put every module back in the model's own mode
     # (an eval-mode model decodes through the masked-GEMV kernels only when its adapters are in eval mode too)
     model.train(model.training)
@@ -255,14 +262,34 @@ def compress(config: CompressConfig, progress: Callable[[str, int, int], None] |
     config = setup_distributed(config.resolved())
     model, tokenizer, lazy_weights = load_for_compression(config)  # host RAM, or streamed from disk
     method = get_method(config.method)
+    if config.weights == "int8":  # refused before any calibration work
+        if lazy_weights is not None:
+            raise ValueError("--weights int8 does not work with layers streamed from disk (the model is bigger than "
+                             "--max-memory); compress without it, or compress first and run `rana quantize`")
+        check_quantizable(model)
     # an unsupported architecture or an unreachable target fails before any calibration text is read
     fraction, budget_info = budget_for(model.config, method, config.flops, config.seq_len, config.lm_head)
     if on_budget:
         on_budget(budget_info)
     calibration = calibration_data(config, tokenizer)
     result = _compress_layers(model, tokenizer, config, calibration, method, fraction, budget_info, progress, lazy_weights)
+    _quantize_last(result, config, calibration, progress)
     result.plan["model"] = config.model
     return result
+
+
+def _quantize_last(result: CompressResult, config: CompressConfig, calibration, progress) -> None:
+    """`--weights int8`: quantize the compressed model (every linear of the decoder and the LM head), its
+    thresholds refit on the quantized model's activations of the fit tokens (rana.quantize); plan.json
+    records the per-module errors and the refit as `quantization` (the file size is added on saving)."""
+    if config.weights != "int8":
+        return
+    if result.offloaded is not None:
+        raise ValueError("--weights int8 does not work with layers streamed from disk")
+    report = quantize_model(result.model, calibration.fit, batch_size=config.batch_size,
+                            progress=(lambda what, done, total: progress(f"int8 {what}", done, total)) if progress else None)
+    result.plan["weights"] = "int8"
+    result.plan["quantization"] = report
 
 
 __all__ = ["BudgetError", "CompressResult", "budget_for", "compress_model", "calibration_data", "setup_distributed",

@@ -38,6 +38,7 @@ SHIPPED_MODULES: dict[str, str] = {
     "rana.kernels.triton_gemv": "triton_gemv",
     "rana.kernels.ops": "ops",
     "rana.modules.common": "common",
+    "rana.modules.int8": "int8",  # int8 weights (Int8Linear), imported by common.py / neuron_linear.py / registry.py
     "rana.modules.rank_linear": "rank_linear",
     "rana.modules.neuron_linear": "neuron_linear",
     "rana.modules.cats": "cats",

@@ -38,7 +38,7 @@ Both formats hold
 * the remote code (the whole model in the remote-code format, the fallback in the quantizer
   format): ``configuration_rana.py`` and ``modeling_rana.py`` (rendered from
   ``rana/export/template/``) and *copies of the rana sources themselves* — the adapter modules
-  (``common.py``, ``rank_linear.py``, ``neuron_linear.py``, ``cats.py``, ``experts.py``, ``rotation.py``,
+  (``common.py``, ``int8.py``, ``rank_linear.py``, ``neuron_linear.py``, ``cats.py``, ``experts.py``, ``rotation.py``,
   ``groups.py``, ``registry.py``), the masked-GEMV kernels
   (``masked_gemv.py``, ``triton_gemv.py`` (triton imported lazily and optionally), ``ops.py`` (the
   torch.library ops the modules decode through) and ``cpu_gemv.py`` with the native CPU kernel's C
@@ -145,6 +145,8 @@ def exported_config(meta: dict, config, model_cls: type) -> dict:
         "rana_adapters": meta["adapters"],
         "rana_laurel": meta.get("laurel") or None,
     })
+    if meta.get("weights", "none") == "int8":  # the modules rebuilt as int8 before the weights load
+        out.update({"rana_weights": "int8", "rana_int8": meta.get("int8")})
     return dict(sorted(out.items()))
 
 

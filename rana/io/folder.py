@@ -27,7 +27,7 @@ from ..modules.laurel import LaurelConfig, apply_laurel
 from ..modules.registry import ADAPTER_KINDS
 from .card import write_folder_card
 from .format import (FORMAT_VERSION, PLAN, RANA_CONFIG, WEIGHTS, WEIGHTS_INDEX, ModelLoadError, adapter_specs,
-                     install_empty_adapters, threshold_from_json, tied_keys, write_json)
+                     install_empty_adapters, install_weights, threshold_from_json, tied_keys, weights_meta, write_json)
 from .paths import OutputExistsError, apply_umask, check_output, remove_stale_temps, temp_prefix, write_manifest
 from .schema import PLAN_SCHEMA, RANA_CONFIG_SCHEMA, FieldError, validate
 from .weightfiles import check_safetensors_folder
@@ -100,9 +100,12 @@ def save(model: nn.Module, tokenizer, out: Path, *, plan: dict | None = None, ex
         else:
             save_file(_state_dict_for_saving(model), str(tmp / WEIGHTS), metadata={"format": "pt"})
             adapters = adapter_specs(model)
+        weights = weights_meta(model)  # int8 modules, if any: rebuilt as such on load
         write_json(tmp / RANA_CONFIG, {"format_version": FORMAT_VERSION, "dtype": str(next(model.parameters()).dtype).removeprefix("torch."),
-                                       "adapters": adapters, **(extra or {})})
+                                       "adapters": adapters, **(extra or {}), **weights})
         if plan is not None:
+            if weights and isinstance(plan.get("quantization"), dict):  # the int8 folder's size, as written
+                plan["quantization"]["file_bytes"] = sum(f.stat().st_size for f in tmp.glob("*.safetensors"))
             write_json(tmp / PLAN, plan)
         write_folder_card(tmp, name=out.name)  # README.md (model card) + recipe.json
     return out
@@ -212,6 +215,7 @@ def load(path: Path | str, *, device: str = "cpu", dtype: torch.dtype | None = N
     model = AutoModelForCausalLM.from_config(config, dtype=build_dtype)
     try:
         install_empty_adapters(model, meta["adapters"], build_dtype)
+        install_weights(model, meta)  # int8 modules (rana.modules.int8), empty, before the weights load
     except (AttributeError, KeyError, TypeError, ValueError) as e:
         raise ModelLoadError(f"'{path / RANA_CONFIG}' does not fit the model in config.json "
                              f"({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})") from None

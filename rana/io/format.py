@@ -18,13 +18,16 @@ import torch
 import torch.nn as nn
 
 from ..archs import set_submodule
-from ..modules.registry import ADAPTER_KINDS, adapter_class, build_adapter, build_order
+from ..modules.registry import ADAPTER_KINDS, adapter_class, build_adapter, build_order, install_int8, int8_paths
 
 FORMAT_VERSION = 1
 WEIGHTS = "model.safetensors"
 WEIGHTS_INDEX = "model.safetensors.index.json"  # sharded layout, written for models compressed from disk
 RANA_CONFIG = "rana_config.json"
 PLAN = "plan.json"
+# `weights` in rana_config.json / plan.json / the compress settings: "none" (full precision; what a folder
+# without the field holds) or "int8" (symmetric per-output-channel int8 codes + fp32 scales, rana.modules.int8)
+WEIGHT_FORMATS = ("none", "int8")
 
 
 class ModelLoadError(ValueError):
@@ -60,6 +63,8 @@ class CompressSettings:
     # "auto" (the method's choice), "dense", or "sparse": input sparsity on the LM head's input
     # (rana.compress.head). Folders record the resolved value; older ones hold "dense".
     lm_head: str = "auto"
+    # "int8": quantize every linear of the decoder and the LM head last (rana.quantize); "none": full precision
+    weights: str = "none"
 
     def to_dict(self) -> dict:
         return {"format_version": FORMAT_VERSION, **asdict(self)}
@@ -134,6 +139,20 @@ def install_empty_adapters(model: nn.Module, specs: list[dict], dtype: torch.dty
         set_submodule(model, s["path"], m)
 
 
+def weights_meta(model: nn.Module) -> dict:
+    """rana_config.json's record of int8 weights: {"weights": "int8", "int8": {"modules": [paths]}} when the
+    model holds int8 modules (every path's module is rebuilt as int8 before the weights load), else {}."""
+    paths = int8_paths(model)
+    return {"weights": "int8", "int8": {"modules": paths}} if paths else {}
+
+
+def install_weights(model: nn.Module, meta: dict) -> None:
+    """Rebuild the int8 modules a folder's rana_config.json (or an export's config) records, empty, after
+    the adapters are installed and before the weights load; nothing for full-precision folders."""
+    if meta.get("weights", "none") == "int8":
+        install_int8(model, list((meta.get("int8") or {}).get("modules") or []))
+
+
 def tied_keys(model: nn.Module) -> set[str]:
     """Parameter names that `tie_weights()` fills from the input embedding (e.g. lm_head.weight):
     no checkpoint needs to hold them."""
@@ -145,6 +164,6 @@ def tied_keys(model: nn.Module) -> set[str]:
     return {f"{name}.weight"} if name is not None else set()
 
 
-__all__ = ["FORMAT_VERSION", "WEIGHTS", "WEIGHTS_INDEX", "RANA_CONFIG", "PLAN", "ModelLoadError", "CompressSettings",
+__all__ = ["WEIGHT_FORMATS", "weights_meta", "install_weights", "FORMAT_VERSION", "WEIGHTS", "WEIGHTS_INDEX", "RANA_CONFIG", "PLAN", "ModelLoadError", "CompressSettings",
            "write_json",
            "threshold_to_json", "threshold_from_json", "adapter_specs", "install_empty_adapters", "tied_keys"]

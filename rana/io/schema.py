@@ -15,7 +15,7 @@ from dataclasses import fields as dataclass_fields
 from typing import Any, Callable
 
 from ..modules.registry import ADAPTER_KINDS
-from .format import FORMAT_VERSION, CompressSettings, threshold_from_json
+from .format import FORMAT_VERSION, WEIGHT_FORMATS, CompressSettings, threshold_from_json
 
 Check = Callable[[Any, str], None]
 DTYPE_NAMES = ("float32", "bfloat16", "float16")
@@ -120,7 +120,7 @@ def _setting_check(annotation: str) -> Check:
 # and the values the card and the recipe build on
 _SETTINGS_VALUES = {"flops": number(0.0, 1.0), "dtype": text(DTYPE_NAMES), "allocation": text(("uniform", "global")),
                     "lm_head": text(("auto", "dense", "sparse")), "calib_tokens": integer(1), "seq_len": integer(1),
-                    "batch_size": integer(1), "format_version": integer(0)}
+                    "batch_size": integer(1), "format_version": integer(0), "weights": text(WEIGHT_FORMATS)}
 SETTINGS = record({**{f.name: _setting_check(str(f.type)) for f in dataclass_fields(CompressSettings)},
                    **_SETTINGS_VALUES})
 
@@ -182,11 +182,25 @@ def _check_version(v, field: str) -> None:
         raise FieldError(f"'{field}' {v!r} is newer than this rana reads ({FORMAT_VERSION}); upgrade rana")
 
 
-RANA_CONFIG_SCHEMA = record({
+def _check_int8(v, field: str) -> None:
+    record({"modules": list_of(text())}, required=("modules",))(v, field)
+    if len(set(v["modules"])) != len(v["modules"]):
+        raise FieldError(f"'{field}.modules' names a path twice")
+
+
+_RANA_CONFIG_FIELDS = record({
     "format_version": _check_version, "dtype": text(DTYPE_NAMES), "adapters": _check_adapters,
     "laurel": optional(mapping(anything)),  # LaurelConfig.from_dict checks its settings on load
     "compress_config": optional(SETTINGS), "method": optional(text()), "finetune": optional(mapping(anything)),
+    # int8 weights (absent: full precision): the paths of the modules rebuilt as int8 before the weights load
+    "weights": optional(text(WEIGHT_FORMATS)), "int8": optional(_check_int8),
 }, required=("adapters",))
+
+
+def RANA_CONFIG_SCHEMA(v, field: str) -> None:  # noqa: N802 - a schema, named like the others
+    _RANA_CONFIG_FIELDS(v, field)
+    if v.get("weights", "none") == "int8" and not isinstance(v.get("int8"), dict):
+        raise FieldError("'weights' is \"int8\" but 'int8' (the int8 modules) is missing")
 
 
 # ---------------------------------------------------------------------------- plan.json
@@ -213,6 +227,9 @@ PLAN_SCHEMA = record({
     "measured": optional(_MEASURED), "budget": optional(mapping(anything)), "config": optional(SETTINGS),
     "allocation": optional(record({"kind": text(), "fraction": _MEASURE, "fractions": optional(list_of(number()))})),
     "layers": optional(list_of(_LAYER)), "lm_head": optional(mapping(anything)), "memory": optional(mapping(anything)),
+    "weights": optional(text(WEIGHT_FORMATS)),
+    "quantization": optional(record({"file_bytes": optional(integer(0)), "modules": optional(list_of(record(
+        {"path": text(), "relative_error": _MEASURE}))), "refit": optional(mapping(anything))})),
 })
 
 

@@ -7,6 +7,7 @@ import torch.nn as nn
 # rana.kernels is the repository's top-level kernels/ folder, installed inside the package
 # (pyproject.toml package-dir); exports ship both folders' files flat beside each other
 from ..kernels.ops import DEFAULT_SPARSITY_BIN, decode_masked, sparsity_bin
+from .int8 import Int8Linear, decode_int8
 
 
 def column_major_linear(weight: torch.Tensor, bias: torch.Tensor | None = None) -> nn.Linear:
@@ -43,6 +44,11 @@ def restore_layouts(module: nn.Module) -> None:
     merge may hand back either.)"""
     row_major = getattr(module, "row_major_children", ())
     for name, child in module.named_children():
+        if type(child) is Int8Linear:  # int8 codes: always the transposed (in × out) row-major layout
+            q = child._buffers["qweight"]
+            if q.device.type != "meta" and not q.is_contiguous():
+                child._buffers["qweight"] = q.contiguous()
+            continue
         if type(child) is not nn.Linear:
             continue
         w = child.weight  # .data keeps the Parameter (and anything holding it)
@@ -69,9 +75,16 @@ def decode_linear(layer: nn.Module, x: torch.Tensor, threshold: torch.Tensor, mo
     `not self.training and not self.meter_on` first and pass `self._modules[...]` /
     `self._buffers[...]`: this runs per projection per token, and Module.__getattr__ costs ~0.6 µs.
     `sparsity_bin` (a Python int: a Triton tuning key, constant under compile) is the module's
-    `decode_bin`.
+    `decode_bin`. An Int8Linear child (int8 weights, rana.modules.int8) takes the int8 masked GEMV.
     """
     if type(layer) is not nn.Linear or x.numel() != x.shape[-1]:
+        if type(layer) is Int8Linear and x.numel() == x.shape[-1]:
+            bias = layer._parameters["bias"]
+            if torch.is_grad_enabled() and (x.requires_grad or (bias is not None and bias.requires_grad)):
+                return None
+            buffers = layer._buffers
+            return decode_int8(buffers["qweight"], buffers["weight_scale"], x, threshold, mode, scale, bias,
+                               sparsity_bin)
         return None
     params = layer._parameters
     weight = params["weight"]

@@ -7,6 +7,7 @@ import torch.nn as nn
 
 from ..kernels.ops import decode_masked
 from .common import MacMeter, column_major_linear, decode_linear
+from .int8 import decode_int8
 
 
 class ThresholdedLinearSpec:
@@ -229,3 +230,78 @@ class InputSparseHead(MacMeter, nn.Module):
 
     def extra_repr(self) -> str:
         return f"in={self.in_features}, out={self.out_features}, threshold={float(self.threshold):.4g}"
+
+
+class Int8InputSparseHead(InputSparseHead):
+    """The input-sparse LM head with int8 weights: the buffers of an Int8Linear held by the head itself
+    (`qweight` int8 in × out row-major, `weight_scale` float32 (out,), optional `bias`), so one decode token
+    reads only the int8 rows of the kept inputs. Written to rana_config.json as an InputSparseHead (never
+    tied: the input embedding keeps its full-precision matrix for lookups); the folder's `int8` list
+    says that its weights are int8 (`rana.modules.registry.install_int8`)."""
+
+    _float32_buffers = ("threshold", "weight_scale")
+
+    def __init__(self, in_features: int, out_features: int, bias: bool, threshold: float, *,
+                 dtype: torch.dtype = torch.float32, device=None):
+        nn.Module.__init__(self)
+        self.register_buffer("qweight", torch.zeros(in_features, out_features, dtype=torch.int8, device=device))
+        self.register_buffer("weight_scale", torch.ones(out_features, dtype=torch.float32, device=device))
+        self.register_parameter("bias", nn.Parameter(torch.zeros(out_features, dtype=dtype, device=device))
+                                if bias else None)
+        self.register_buffer("threshold", torch.tensor(float(threshold), dtype=torch.float32, device=device))
+        self.in_features, self.out_features = int(in_features), int(out_features)
+        self.macs_dense = float(self.in_features * self.out_features)
+        self.compute_dtype = dtype
+        self._init_meter()
+
+    @classmethod
+    def from_head(cls, head: InputSparseHead, q: torch.Tensor | None = None,
+                  scale: torch.Tensor | None = None) -> "Int8InputSparseHead":
+        """`head` with int8 weights: codes q (out × in) and scales, or empty ones (weights loaded afterwards)."""
+        ref = head.bias if head.bias is not None else head.threshold
+        dtype = head.weight.dtype if not isinstance(head, Int8InputSparseHead) else head.compute_dtype
+        m = cls(head.in_features, head.out_features, head.bias is not None, 0.0, dtype=dtype, device=ref.device)
+        m.threshold = head.threshold.detach().clone()  # (on the meta device while a quantizer builds the model)
+        if q is not None:
+            m.qweight = q.detach().t().contiguous().to(torch.int8)
+            m.weight_scale = scale.detach().to(torch.float32).contiguous()
+        if head.bias is not None and head.bias.device.type != "meta":
+            m.bias.data.copy_(head.bias.detach())
+        m.set_active_fraction(head.active_fraction)
+        return m
+
+    def to_spec(self, root: nn.Module) -> dict:
+        return {"in": self.in_features, "out": self.out_features, "bias": self.bias is not None,
+                "threshold": float(self.threshold), "tied": False}
+
+    @property
+    def weight(self) -> torch.Tensor:
+        """The dequantized (out, in) weight in the compute dtype (a new tensor on every read)."""
+        return (self.qweight.t().float() * self.weight_scale[:, None]).to(self.compute_dtype)
+
+    def _apply(self, fn, recurse=True):
+        super()._apply(fn, recurse)
+        probe = fn(torch.empty(0, dtype=self.compute_dtype))
+        if probe.is_floating_point():
+            self.compute_dtype = probe.dtype
+        return self
+
+    def column_major_(self) -> "Int8InputSparseHead":
+        q = self._buffers["qweight"]
+        if q.device.type != "meta" and not q.is_contiguous():
+            self._buffers["qweight"] = q.contiguous()
+        return self
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        bias = self._parameters["bias"]
+        if not self.training and not self.meter_on and x.numel() == x.shape[-1] and not (
+                torch.is_grad_enabled() and (x.requires_grad or (bias is not None and bias.requires_grad))):
+            return decode_int8(self._buffers["qweight"], self._buffers["weight_scale"], x, self._buffers["threshold"],
+                               "abs", None, bias)
+        mask = x.abs() >= self.threshold
+        self._record(mask)
+        w = (self.qweight.t().float() * self.weight_scale[:, None]).to(x.dtype)
+        return nn.functional.linear(x * mask, w, None if bias is None else bias.to(x.dtype))
+
+    def extra_repr(self) -> str:
+        return super().extra_repr() + ", int8"

@@ -207,6 +207,10 @@ class RankSliceLinear(nn.Module):
             if y is not None:
                 return y
         z, mask = code.code(x)
+        if not self.training and not code.meter_on:  # one token outside the grouped launch (int8 weights)
+            y = decode_linear(self._modules["A"], z, code._buffers["threshold"], "square", None, code.decode_bin)
+            if y is not None:
+                return y
         return self.A(z * mask)
 
 

@@ -20,8 +20,11 @@ import torch
 import torch.nn as nn
 
 from .cats import CatsActivation
+from ..archs import set_submodule
 from .experts import InputSparseExperts
-from .neuron_linear import InputSparseHead, InputSparseLinear, NeuronThresholdLinear, SparseLowRankLinear
+from .int8 import Int8Linear
+from .neuron_linear import (InputSparseHead, InputSparseLinear, Int8InputSparseHead, NeuronThresholdLinear,
+                            SparseLowRankLinear)
 from .rank_linear import RankAdapterLinear, RankSliceLinear, SharedRankCode
 from .rotation import RotatedInput
 
@@ -77,5 +80,40 @@ def build_adapter(model: nn.Module, spec: dict, dtype: torch.dtype, built: dict)
     return m
 
 
-__all__ = ["ADAPTER_CLASSES", "ADAPTER_KINDS", "FIELD_KINDS", "adapter_class", "spec_threshold", "build_order",
+# ---------------------------------------------------------------------------- int8 weights
+INT8_CLASSES = (Int8Linear, Int8InputSparseHead)
+
+
+def int8_paths(model: nn.Module) -> list[str]:
+    """The module paths whose weights are int8 (rana_config.json's `int8.modules`), in module order."""
+    return [name for name, m in model.named_modules() if type(m) in INT8_CLASSES]
+
+
+def int8_form(module: nn.Module, q: torch.Tensor | None = None, scale: torch.Tensor | None = None) -> nn.Module:
+    """The int8 replacement of a linear layer or an input-sparse LM head: from codes q (out × in, int8) and
+    scales (out,), or empty (weights to be loaded afterwards)."""
+    if isinstance(module, InputSparseHead):
+        return Int8InputSparseHead.from_head(module, q, scale)
+    if type(module) is nn.Linear:
+        if q is None:
+            return Int8Linear.empty_like(module)
+        return Int8Linear.from_quantized(q, scale, module.bias, module.weight.dtype).to(module.weight.device)
+    raise ValueError(f"a {type(module).__name__} has no int8 form (only linear layers and the input-sparse LM head)")
+
+
+def install_int8(model: nn.Module, paths: list[str]) -> None:
+    """Swap the modules at `paths` (a folder's `int8.modules`) for empty int8 ones of their shapes, after
+    the adapters are installed and before the weights load (rana.load, the quantizer, the remote code)."""
+    for path in paths:
+        m = model.get_submodule(path)
+        if type(m) in INT8_CLASSES:
+            continue
+        try:
+            new = int8_form(m)
+        except ValueError as e:
+            raise ValueError(f"int8 weights recorded for '{path}': {e}") from None
+        set_submodule(model, path, new)
+
+
+__all__ = ["INT8_CLASSES", "int8_paths", "int8_form", "install_int8", "ADAPTER_CLASSES", "ADAPTER_KINDS", "FIELD_KINDS", "adapter_class", "spec_threshold", "build_order",
            "build_adapter"]

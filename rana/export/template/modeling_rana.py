@@ -30,9 +30,11 @@ from .common import restore_layouts
 from .configuration_rana import RanaConfig
 from .groups import link_decode_groups
 from .laurel import LaurelConfig, apply_laurel
-from .neuron_linear import InputSparseHead, InputSparseLinear, NeuronThresholdLinear, SparseLowRankLinear
+from .int8 import Int8Linear
+from .neuron_linear import (InputSparseHead, InputSparseLinear, Int8InputSparseHead, NeuronThresholdLinear,
+                            SparseLowRankLinear)
 from .rank_linear import RankAdapterLinear, RankSliceLinear, SharedRankCode
-from .registry import ADAPTER_KINDS, build_adapter, build_order
+from .registry import ADAPTER_KINDS, build_adapter, build_order, install_int8
 from .rotation import RotatedInput
 
 RANA_CONFIG = "config.json (rana_adapters)"  # named in install_empty_adapters' error message
@@ -50,6 +52,7 @@ def _from_quantizer_format(config):
         return config
     config = copy.deepcopy(config)
     config.rana_adapters, config.rana_laurel = list(qc.get("adapters") or []), qc.get("laurel")
+    config.rana_weights, config.rana_int8 = qc.get("weights") or "none", qc.get("int8")
     del config.quantization_config
     if hasattr(config, "transformers_weights"):
         del config.transformers_weights
@@ -67,6 +70,8 @@ class RanaForCausalLM(_StockForCausalLM):
         super().__init__(config, *args, **kwargs)
         ref = next(self.parameters())
         install_empty_adapters(self, list(config.rana_adapters or []), ref.dtype)
+        if getattr(config, "rana_weights", None) == "int8":  # int8 weights (int8.py): empty, before the weights load
+            install_int8(self, list((getattr(config, "rana_int8", None) or {}).get("modules") or []))
         if config.rana_laurel:
             apply_laurel(self, LaurelConfig.from_dict(dict(config.rana_laurel)), spec=SPEC)
         link_decode_groups(self, SPEC)
@@ -92,11 +97,14 @@ class RanaForCausalLM(_StockForCausalLM):
             if isinstance(module, _ADAPTERS_WITH_LINEARS):
                 restore_layouts(module)
             for name, buf in list(module.named_buffers(recurse=False)):
-                if name in ("threshold", "column_norms") and buf is not None and buf.dtype != torch.float32:
+                if name in ("threshold", "column_norms", "weight_scale") and buf is not None and buf.dtype != torch.float32:
                     setattr(module, name, buf.float())
+            if isinstance(module, (Int8Linear, Int8InputSparseHead)):
+                module._buffers["qweight"] = module._buffers["qweight"].contiguous()  # the int8 rows the kernels read
             if isinstance(module, NeuronThresholdLinear):
                 module.refresh_norms()
-            elif isinstance(module, InputSparseHead) and module.weight is not self.get_input_embeddings().weight:
+            elif (isinstance(module, InputSparseHead) and not isinstance(module, Int8InputSparseHead)
+                  and module.weight is not self.get_input_embeddings().weight):
                 module.column_major_()  # an untied head's own weight (a tied one stays the embedding's)
         return self
 

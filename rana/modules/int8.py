@@ -1,0 +1,149 @@
+"""int8 weights: `Int8Linear`, a drop-in for nn.Linear holding symmetric per-output-channel int8 codes.
+
+Storage (what a folder's safetensors hold under the module's path):
+
+    qweight       int8 (in_features, out_features), row-major: the *transposed* codes, `qweight[k, n] = q[n, k]`,
+                  so column k of W is the contiguous row `qweight[k]`, the layout the masked-GEMV kernels read
+                  (an inactive input skips one contiguous int8 row)
+    weight_scale  float32 (out_features,): W[n, k] ≈ weight_scale[n] · qweight[k, n]
+    bias          optional Parameter in the compute dtype
+
+`.weight` is the dequantized (out, in) weight in the compute dtype, computed on each read (for code
+that reads weights: column norms, SVD, export); no full-precision copy is kept. `qweight` stays int8
+and `weight_scale` float32 through `.to(dtype)` / `.half()` (only the bias and the compute dtype follow).
+
+One decode token without gradients goes through the int8 masked-GEMV entry point of the kernels
+(`decode_masked_int8`, mode "none": the dense int8 GEMV); several tokens through F.linear with the
+weight dequantized for that call. The adapters call `decode_int8` with their masks (rana.modules.common).
+"""
+from __future__ import annotations
+
+import sys
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from ..kernels.ops import DEFAULT_SPARSITY_BIN, decode_masked
+
+# The kernels' int8 entry point (rana.kernels.ops.decode_masked_int8), looked up on the ops module itself
+# so this file also imports (and ships with exports) where the kernels have none yet: then the torch
+# fallback below runs (dequantized rows, the same masks and results).
+_OPS = sys.modules[decode_masked.__module__]
+INT8_MODES = ("none", "square", "abs_scaled", "abs")
+
+
+def int8_kernel():
+    """The kernels' `decode_masked_int8`, or None where they have none (the torch fallback runs)."""
+    return getattr(_OPS, "decode_masked_int8", None)
+
+
+def masked_int8_torch(q_t: torch.Tensor, qscale: torch.Tensor, v: torch.Tensor, threshold: torch.Tensor | None,
+                      mode: str, scale: torch.Tensor | None = None, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """`qscale ⊙ ((m ⊙ v) @ q_t) + bias` in torch: masks as the kernels' (scores and comparisons in fp32),
+    fp32 accumulation, the result in v's dtype, shape v.shape[:-1] + (N,). One token reads only the kept
+    int8 rows (gathered); several tokens dequantize `q_t` for the call."""
+    if mode not in INT8_MODES:
+        raise ValueError(f"mode must be one of {INT8_MODES}, got {mode!r}")
+    K, N = q_t.shape
+    x = v.reshape(-1, K).float()
+    if mode != "none" and threshold is not None:
+        if mode == "square":
+            score = x * x
+        elif mode == "abs_scaled":
+            score = x.abs() * scale.float()
+        else:
+            score = x.abs()
+        x = x * (score >= threshold.float())
+    if x.shape[0] == 1 and mode != "none":
+        idx = x[0].nonzero().squeeze(1)
+        y = (x[0, idx] @ q_t.index_select(0, idx).float()).unsqueeze(0)
+    else:
+        y = x @ q_t.float()
+    y = y * qscale.float()
+    if bias is not None:
+        y = y + bias.float()
+    return y.to(v.dtype).reshape(*v.shape[:-1], N)
+
+
+def decode_int8(q_t: torch.Tensor, qscale: torch.Tensor, v: torch.Tensor, threshold: torch.Tensor | None, mode: str,
+                scale: torch.Tensor | None = None, bias: torch.Tensor | None = None,
+                sparsity_bin: int = DEFAULT_SPARSITY_BIN) -> torch.Tensor:
+    """One decode token through int8 weights: the kernels' `decode_masked_int8`, else `masked_int8_torch`."""
+    kernel = int8_kernel()
+    if kernel is not None:
+        if threshold is None:  # mode "none": the kernels take a threshold tensor all the same
+            threshold = torch.full((), float("-inf"), dtype=torch.float32, device=v.device)
+        return kernel(q_t, qscale, v, threshold, mode, scale, bias, sparsity_bin)
+    return masked_int8_torch(q_t, qscale, v, threshold, mode, scale, bias)
+
+
+class Int8Linear(nn.Module):
+    """nn.Linear with int8 codes (see the module docstring for the layout)."""
+
+    _float32_buffers = ("weight_scale",)
+
+    def __init__(self, in_features: int, out_features: int, bias: bool = True, *, dtype: torch.dtype = torch.float32,
+                 device=None):
+        super().__init__()
+        self.in_features, self.out_features = int(in_features), int(out_features)
+        self.register_buffer("qweight", torch.zeros(in_features, out_features, dtype=torch.int8, device=device))
+        self.register_buffer("weight_scale", torch.ones(out_features, dtype=torch.float32, device=device))
+        self.register_parameter("bias", nn.Parameter(torch.zeros(out_features, dtype=dtype, device=device))
+                                if bias else None)
+        self.compute_dtype = dtype  # what `.weight` and a bias-less forward return; follows .to(dtype)
+
+    @classmethod
+    def from_quantized(cls, q: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None,
+                       dtype: torch.dtype) -> "Int8Linear":
+        """From codes q (out × in, int8) and scales (out,)."""
+        out_f, in_f = q.shape
+        m = cls(in_f, out_f, bias is not None, dtype=dtype, device="meta")
+        m.qweight = q.detach().t().contiguous().to(torch.int8)
+        m.weight_scale = scale.detach().to(torch.float32).contiguous()
+        if bias is not None:
+            m.bias = nn.Parameter(bias.detach().to(dtype).clone())
+        return m
+
+    @classmethod
+    def empty_like(cls, layer: nn.Module) -> "Int8Linear":
+        """An empty Int8Linear of `layer`'s shapes, device and dtype (weights to be loaded afterwards)."""
+        w = layer.weight
+        bias = getattr(layer, "bias", None)
+        return cls(layer.in_features, layer.out_features, bias is not None, dtype=w.dtype, device=w.device)
+
+    @property
+    def weight(self) -> torch.Tensor:
+        """The dequantized (out, in) weight in the compute dtype (a new tensor on every read)."""
+        return self.dequantized(self.compute_dtype)
+
+    def dequantized(self, dtype: torch.dtype) -> torch.Tensor:
+        """The (out, in) weight in `dtype`, for one call (column-major: a view of the transposed codes)."""
+        return (self.qweight.t().float() * self.weight_scale[:, None]).to(dtype)
+
+    def _apply(self, fn, recurse=True):
+        kept = {n: b for n in self._float32_buffers if (b := self._buffers.get(n)) is not None}
+        super()._apply(fn, recurse)
+        for name, value in kept.items():
+            self._buffers[name] = value.to(device=self._buffers[name].device, dtype=torch.float32)
+        probe = fn(torch.empty(0, dtype=self.compute_dtype))
+        if probe.is_floating_point():
+            self.compute_dtype = probe.dtype
+        return self
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        bias = self._parameters["bias"]
+        if x.numel() == x.shape[-1] and not (torch.is_grad_enabled() and (
+                x.requires_grad or (bias is not None and bias.requires_grad))):
+            return decode_int8(self._buffers["qweight"], self._buffers["weight_scale"], x, None, "none", None, bias)
+        return F.linear(x, self.dequantized(x.dtype), None if bias is None else bias.to(x.dtype))
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, int8"
+
+
+def is_int8(layer: nn.Module) -> bool:
+    return type(layer) is Int8Linear
+
+
+__all__ = ["Int8Linear", "INT8_MODES", "decode_int8", "int8_kernel", "is_int8", "masked_int8_torch"]
