@@ -39,6 +39,9 @@ def eval_table(results: dict) -> Table:
         cols.append(f"{task} {m[0] if m else ''}".strip())
     if any(r.get("latency") for r in rows):
         cols += ["tok/s", "latency vs dense", "speed-up", "limit 1/F"]
+    served = any("ttft_seconds" in (r.get("latency") or {}) for r in rows)
+    if served:
+        cols += ["TTFT ms", "dense TTFT ms"]
     for c in cols:
         t.add_column(c, justify="left" if c in ("model", "method") else "right")
     for r in rows:
@@ -60,6 +63,10 @@ def eval_table(results: dict) -> Table:
             limit = lat.get("speedup_limit")
             cells += [f"{lat['tokens_per_s']:.1f}" if lat else "-", f"{ratio:.3f}" if ratio is not None else "-",
                       f"{1 / ratio:.2f}x" if ratio else "-", f"{limit:.2f}x" if limit else "-"]
+        if served:
+            lat = r.get("latency") or {}
+            cells += [f"{lat[k] * 1e3:.1f}" if lat.get(k) is not None else "-"
+                      for k in ("ttft_seconds", "dense_ttft_seconds")]
         t.add_row(*cells)
     paths = [x for x in dict.fromkeys((r.get("latency") or {}).get("decode_path") for r in rows) if x]
     harness = [x for x in dict.fromkeys((r.get("latency") or {}).get("mode") for r in rows) if x]
@@ -119,7 +126,7 @@ def register(app: typer.Typer) -> None:
         dense: Optional[str] = typer.Option(None, "--dense", help="dense model for --latency / --layer-errors (default: plan.json's model)"),
         latency_tokens: int = typer.Option(EVAL_DEFAULTS['latency_new_tokens'], help="tokens generated per latency run"),
         latency_repeats: int = typer.Option(EVAL_DEFAULTS['latency_repeats'], help="timed latency runs (median)"),
-        latency_mode: str = typer.Option("auto", help="latency harness: compiled (generate, static cache + torch.compile) | step (gpt-fast style: compiled one-token step, no generate overhead) | eager | auto (compiled on CUDA, eager elsewhere)"),
+        latency_mode: str = typer.Option("auto", help="latency harness: compiled (generate, static cache + torch.compile) | step (gpt-fast style: compiled one-token step, no generate overhead) | eager | serve (streamed completions through `transformers serve`, the rana folder exported, the dense model saved; TTFT too) | auto (compiled on CUDA, eager elsewhere)"),
         layer_errors: bool = typer.Option(False, "--layer-errors", help="per-layer relative output error of QKV/o/MLP vs the dense model on the first --ppl-data text"),
         layer_error_tokens: int = typer.Option(EVAL_DEFAULTS['layer_error_tokens'], help="tokens for --layer-errors"),
         json_out: Optional[Path] = typer.Option(None, "--json", help="write machine-readable results here"),
@@ -134,8 +141,15 @@ def register(app: typer.Typer) -> None:
         refs = list(models) + [c.strip() for item in compare for c in item.split(",") if c.strip()]
         task_list = [t.strip() for t in (tasks or "").split(",") if t.strip()]
         check_request(ppl_sources=ppl_data, tasks=task_list, latency=latency, layer_errors=layer_errors)
-        if latency_mode not in ("auto", "compiled", "step", "eager"):
-            raise ValueError(f"--latency-mode must be auto, compiled, step or eager, got {latency_mode!r}")
+        if latency_mode not in ("auto", "compiled", "step", "eager", "serve"):
+            raise ValueError(f"--latency-mode must be auto, compiled, step, eager or serve, got {latency_mode!r}")
+        if latency and latency_mode == "serve":
+            from rana.evaluation import check_serving
+            from rana.export import export as export_folder
+
+            check_serving(refs, export_folder)  # `transformers serve` installed: one line before any work
+        else:
+            export_folder = None
         from rana.evaluation.perplexity import ppl_preset
 
         window = ppl_preset(ppl_protocol, seq_len).window  # a bad preset name or --seq-len: one line
@@ -175,7 +189,7 @@ def register(app: typer.Typer) -> None:
                                       latency_mode=None if latency_mode == "auto" else latency_mode,
                                       layer_errors=layer_errors, layer_error_tokens=layer_error_tokens, dense=dense,
                                       dtype=dtype, device=device, progress=progress,
-                                      log=lambda msg: console.print(msg, highlight=False))
+                                      log=lambda msg: console.print(msg, highlight=False), export=export_folder)
         print_wide(stdout, eval_table(results))
         if ppl_data:
             stdout.print(f"protocol: {results['protocol']}", highlight=False)

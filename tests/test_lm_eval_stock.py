@@ -4,6 +4,18 @@ rana itself (rana's start-up hook, rana-hf-quantizer.pth, registers quant_method
 accuracies and per-sample log-likelihoods of `rana eval --tasks` (rana's harness on `rana.load`'s model)
 on the rana folder the export came from.
 
+Without rana (a process where `import rana` fails and the start-up hook is off), the same command cannot
+say "pip install rana": lm-eval 0.4.13's HFLM.__init__ (lm_eval/models/huggingface.py, line 364) parses
+config.json's quantization_config with `AutoQuantizationConfig.from_dict` before it loads any weight, and
+transformers (quantizers/auto.py, line 173) raises `ValueError: Unknown quantization type, got rana -
+supported types are: [...]` for a quant_method it does not know. Nothing in the folder runs before that
+line without trust_remote_code (AutoConfig reads JSON only; the weights guard in `transformers_weights` is
+read later, by from_pretrained), and the message is built from the quant_method, which must stay "rana"
+(transformers', vLLM's and SGLang's registries select by it). What the test pins: the run ends with that
+one line, naming rana, as the last line of its output. With trust_remote_code=True the shipped remote
+code is the fallback: its config class reads the quantization_config itself (configuration_rana.py's
+from_dict), so lm-eval's parse finds none and the run gives rana eval's metrics without rana.
+
 The offline `*_local` tasks (rana/tasks/) read a few hand-written rows here: nothing from a hub.
 """
 from __future__ import annotations
@@ -65,6 +77,36 @@ def work(tmp_path_factory):
 def per_sample(samples: list[dict]) -> dict[int, list[float]]:
     """doc_id -> the log-likelihood of each of its requests (each choice, or the target)."""
     return {s["doc_id"]: [float(r[0][0]) for r in s["resps"]] for s in samples}
+
+
+# lm-eval's CLI in a process that cannot import rana (editable-install finders dropped, `rana` blocked)
+WITHOUT_RANA = """
+import importlib.abc, sys
+sys.meta_path[:] = [f for f in sys.meta_path if not getattr(f, "__module__", "").startswith("__editable__")]
+
+class Block(importlib.abc.MetaPathFinder):
+    def find_spec(self, name, path=None, target=None):
+        if name.split(".")[0] == "rana":
+            raise ModuleNotFoundError(f"No module named {name!r}")
+
+sys.meta_path.insert(0, Block())
+from lm_eval.__main__ import cli_evaluate
+sys.argv = ["lm_eval", *sys.argv[1:]]
+cli_evaluate()
+"""
+
+
+def lm_eval_without_rana(work, out: Path, model_args: str) -> subprocess.CompletedProcess:
+    """`lm_eval --model hf` on the export, rana not importable and its start-up hook off."""
+    script = work.tmp / "lm_eval_without_rana.py"
+    script.write_text(WITHOUT_RANA)
+    env = isolated_env(work.tmp)  # RANA_NO_HF_HOOK=1: the .pth hook imports nothing
+    env["HF_DATASETS_OFFLINE"] = "1"
+    env["HF_DATASETS_CACHE"] = str(work.tmp / "datasets_cache")
+    cmd = [sys.executable, str(script), "--model", "hf", "--model_args", f"pretrained={work.dst},{model_args}",
+           "--tasks", ",".join(LOCAL_TASKS), "--include_path", str(work.tasks), "--device", "cpu",
+           "--batch_size", "1", "--limit", str(LIMIT), "--output_path", str(out)]
+    return subprocess.run(cmd, cwd=work.tmp, env=env, capture_output=True, text=True, timeout=300)
 
 
 @pytest.fixture(scope="module")
@@ -144,3 +186,28 @@ def test_stock_lm_eval_matches_rana_eval(stock, reference):
             assert a[doc_id] == pytest.approx(b[doc_id], rel=1e-5, abs=1e-4), (task, doc_id)
     # the accuracy compared is a real one (the tiny model is not the same answer everywhere)
     assert len({tuple(v) for v in per_sample(ref_samples["hellaswag_local"]).values()}) == LIMIT
+
+
+def test_without_rana_lm_eval_ends_with_one_line(work):
+    """Not fixable from the folder (module docstring): pinned as one last line that names rana."""
+    proc = lm_eval_without_rana(work, work.tmp / "out_without_rana", "dtype=float32")
+    assert proc.returncode != 0
+    lines = [line for line in (proc.stdout + proc.stderr).splitlines() if line.strip()]
+    assert lines[-1].startswith("ValueError: Unknown quantization type, got rana - supported types are:"), lines[-5:]
+    assert "rana" not in lines[-1].split(" - ", 1)[1], lines[-1]  # rana is no registered quant_method there
+
+
+def test_without_rana_trust_remote_code_is_the_fallback(work, reference):
+    """The shipped remote code answers lm-eval's trust_remote_code=True without rana: rana eval's metrics."""
+    out = work.tmp / "out_remote_code"
+    proc = lm_eval_without_rana(work, out, "dtype=float32,trust_remote_code=True")
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
+    doc = json.loads(next(out.rglob("results_*.json")).read_text())
+    metrics, _ = reference
+    for task in LOCAL_TASKS:
+        got = {k.removesuffix(",none"): v for k, v in doc["results"][task].items()
+               if isinstance(v, (int, float)) and not k.endswith("_stderr,none")}
+        want = {k: v for k, v in metrics[task].items() if not k.endswith("_stderr")}
+        assert got.keys() == want.keys(), (task, got, want)
+        for key in want:
+            assert got[key] == pytest.approx(want[key], rel=1e-4), (task, key, got[key], want[key])

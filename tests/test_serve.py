@@ -165,7 +165,8 @@ def test_serve_matches_offline_greedy(served_folder, tmp_path):
 
 
 def test_continuous_batching_equals_solo(served_folder, tmp_path):
-    server = Server(served_folder, tmp_path, "--continuous-batching")
+    # a fixed KV cache: on CPU the default sizes it from free memory, which another job may hold
+    server = Server(served_folder, tmp_path, "--continuous-batching", "--cb-num-blocks", "64")
     try:
         solo = [answer(server, str(served_folder), t, chat=True) for t in PROMPTS]
         with ThreadPoolExecutor(len(PROMPTS)) as pool:

@@ -4,6 +4,7 @@
     harness.py      lm-evaluation-harness glue and the bundled offline tasks
     latency.py      decode timing (eager / compiled / step harness) and the masked-GEMV path in use
     decode_step.py  the step harness: gpt-fast-style greedy decode with a compiled one-token step
+    serving.py      decode timing through `transformers serve` (streamed HTTP completions), vs dense
     diagnostics.py  per-layer output errors vs the dense model, rank-contribution histograms
     run.py          evaluate_model (one model) and evaluate_models (the `rana eval` table; models
                     open through rana.io.open_model)
@@ -19,7 +20,8 @@ from .latency import (DEFAULT_PROMPT, LATENCY_MODES, compile_counters, decode_la
                       default_latency_mode, latency_ratio, measure_latency, step_compile_kwargs)
 from .perplexity import (combine_flops, eval_tokens, labelled_sources, ppl_protocol, summarize_flops, text_labels,
                          text_name, window_nll)
-from .run import check_request, evaluate_model, evaluate_models, metered_perplexity
+from .run import check_request, check_serving, evaluate_model, evaluate_models, metered_perplexity
+from .serving import SERVE_MODE, ServeError, serve_latency
 
 __all__ = [
     "Progress", "eval_mode", "model_device",
@@ -29,5 +31,6 @@ __all__ = [
     "measure_latency", "compile_counters", "step_compile_kwargs", "StepRunner", "step_greedy",
     "combine_flops", "eval_tokens", "labelled_sources", "ppl_protocol", "summarize_flops", "text_labels", "text_name",
     "window_nll",
-    "check_request", "evaluate_model", "evaluate_models", "metered_perplexity",
+    "check_request", "check_serving", "evaluate_model", "evaluate_models", "metered_perplexity",
+    "SERVE_MODE", "ServeError", "serve_latency",
 ]

@@ -9,6 +9,8 @@ Three harnesses (`LATENCY_MODES`), dense and compressed models always timed the 
   default on CUDA;
 - "step": gpt-fast style (`decode_step.py`): the same cache, an eager prefill, then a compiled
   one-token step called in a bare loop: the model's own decode time, without `generate`'s overhead.
+
+A fourth, "serve" (`serving.py`), times both models out of process, as clients of `transformers serve`.
 """
 from __future__ import annotations
 

@@ -18,11 +18,13 @@ import torch.nn as nn
 
 from ..accounting import measured_macs, metering
 from ..data import DataError
+from ..io import is_rana_dir
 from ..io.models import LoadedModel, load_model, open_model
 from . import diagnostics
 from .common import Progress
 from .harness import lm_eval_tasks
 from .latency import measure_latency
+from .serving import SERVE_MODE, Exporter, serve_latency, serve_unavailable
 from .perplexity import (PplProtocol, combine_flops, eval_tokens, labelled_sources, perplexity, ppl_preset,
                          protocol_tokens, summarize_flops, window_starts)
 from .perplexity import ppl_protocol as describe_protocol
@@ -81,6 +83,8 @@ def evaluate_model(
     name: str | None = None,
     plan: dict | None = None,
     progress: Progress | None = None,
+    reference: str | Path | None = None,
+    export: Exporter | None = None,
 ) -> dict:
     """Evaluate one in-memory model; returns a JSON-ready dict.
 
@@ -100,6 +104,9 @@ def evaluate_model(
       one-token step, "eager"; default compiled on
       CUDA, eager elsewhere) and reported as a ratio, next to the measured FLOP fraction F (when
       perplexity was measured) and the memory-bound limit 1/F of the speed-up.
+      `latency_mode` "serve" times both through `transformers serve` instead (`serving.serve_latency`):
+      the compressed model exported from `reference` (its rana folder; an in-memory model is saved
+      first) with `export` (`rana.export.export`), the dense one saved as a plain folder.
     """
     protocol = ppl_preset(ppl_protocol, seq_len)
     result: dict[str, Any] = {"name": name, "seq_len": protocol.window, "max_tokens_per_text": max_tokens,
@@ -150,7 +157,11 @@ def evaluate_model(
         result["tasks_limit"] = limit
         if progress:
             progress("lm-eval tasks", 1, 1)
-    if latency:
+    if latency and latency_mode == SERVE_MODE:
+        result["latency"] = serve_latency(model, tokenizer, dense_model, reference=reference, export=export,
+                                          new_tokens=latency_new_tokens, repeats=latency_repeats,
+                                          warmup=latency_warmup, progress=progress)
+    elif latency:
         result["latency"] = measure_latency(model, tokenizer, dense_model, new_tokens=latency_new_tokens,
                                             repeats=latency_repeats, warmup=latency_warmup, mode=latency_mode)
         fraction = (result.get("flops") or {}).get("fraction")
@@ -169,6 +180,17 @@ def check_request(*, ppl_sources: Sequence = (), tasks: Sequence[str] = (), late
         raise ValueError("nothing to evaluate: pass --ppl-data FILE (perplexity + measured FLOPs), --tasks and/or --latency")
     if layer_errors and not ppl_sources:
         raise ValueError("--layer-errors runs on the first --ppl-data text: pass one")
+
+
+def check_serving(refs: Sequence[str], export: Exporter | None) -> None:
+    """The serve latency mode can run: `transformers serve` is installed here, and rana folders have an
+    exporter to become servable folders."""
+    reason = serve_unavailable()
+    if reason:
+        raise ValueError(f"--latency-mode serve: {reason}")
+    if export is None and any(is_rana_dir(r) for r in refs):
+        raise ValueError("the serve latency mode serves rana folders as quantizer-format exports: pass "
+                         "export=rana.export.export")
 
 
 def evaluate_models(
@@ -196,6 +218,7 @@ def evaluate_models(
     device: str = "cpu",
     progress: Progress | None = None,
     log: Callable[[str], None] | None = None,
+    export: Exporter | None = None,
 ) -> dict:
     """Evaluate every model in `refs` (rana folders or dense references) the same way; returns
     `{"models": [one evaluate_model row per ref], "seq_len", "eval_tokens", "ppl_protocol", "protocol"}`,
@@ -207,10 +230,16 @@ def evaluate_models(
     loaded only for `latency` (timed interleaved with it) and `layer_errors` (per-layer output
     errors on the first `layer_error_tokens` tokens of the first perplexity text), and kept while
     consecutive models share it. Models are loaded one at a time.
+
+    `latency_mode` "serve": timed through `transformers serve` (`serving.serve_latency`); a rana folder
+    is served as its quantizer-format export, written by `export` (pass `rana.export.export`: this
+    package does not import the export command; `rana eval` passes it).
     """
     check_request(ppl_sources=ppl_sources, tasks=tasks, latency=latency, layer_errors=layer_errors)
     protocol = ppl_preset(ppl_protocol, seq_len)
     refs = [str(r) for r in refs]
+    if latency and latency_mode == SERVE_MODE:  # before any model loads
+        check_serving(refs, export)
     log = log or (lambda msg: None)
     dense_cache: dict[str, nn.Module] = {}
 
@@ -241,7 +270,8 @@ def evaluate_models(
                              tasks=list(tasks), include_path=include_path, task_data=task_data, limit=limit,
                              num_fewshot=num_fewshot, latency=latency, dense_model=dense_model,
                              latency_new_tokens=latency_new_tokens, latency_repeats=latency_repeats,
-                             latency_mode=latency_mode, name=ref, plan=loaded.plan, progress=progress)
+                             latency_mode=latency_mode, name=ref, plan=loaded.plan, progress=progress,
+                             reference=ref, export=export)
         row["reference"], row["kind"] = ref, loaded.kind
         row["dense_reference"] = dense or loaded.dense_reference
         if layer_errors:

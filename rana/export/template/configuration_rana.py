@@ -24,5 +24,21 @@ class RanaConfig(_StockConfig):
     rana_format_version: int | None = None
     rana_version: str | None = None
 
+    @classmethod
+    def from_dict(cls, config_dict, **kwargs):
+        """A quantizer-format config.json (quant_method "rana") read the remote-code way from the start: its
+        adapters and LAuReL settings become rana_adapters / rana_laurel, and neither the quantization_config
+        (rana's quantizer, absent here, would be needed to parse it: lm-eval parses it before loading) nor
+        the weights guard meant for plain transformers without rana is kept."""
+        qc = config_dict.get("quantization_config")
+        if isinstance(qc, dict) and qc.get("quant_method") == "rana":
+            dropped = ("quantization_config", "transformers_weights")
+            config_dict = {k: v for k, v in config_dict.items() if k not in dropped}
+            config_dict["rana_adapters"] = list(qc.get("adapters") or [])
+            config_dict["rana_laurel"] = qc.get("laurel")
+            config_dict.setdefault("rana_format_version", qc.get("format_version"))
+            config_dict.setdefault("rana_version", qc.get("rana_version"))
+        return super().from_dict(config_dict, **kwargs)
+
 
 __all__ = ["RanaConfig"]
