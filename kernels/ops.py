@@ -14,6 +14,9 @@ Ops (one token: ``v`` holds K values, any leading dims of size 1):
         to torch.compile / inductor through wrap_triton, captured by CUDA graphs.
     rana::dense_gemv_triton(Tensor[] vs, Tensor[] ws) -> Tensor
         triton_op: up to three dense row-major GEMVs in one launch (the rank adapters' codes B x).
+    rana::expert_masked_gemv_triton(Tensor w_t, Tensor v, Tensor idx, Tensor thresholds) -> Tensor
+        triton_op: the same through rana_expert_masked_gemv (CUDA): one launch over the selected experts'
+        kept rows, the expert index read on the device.
     rana::expert_masked_gemv(Tensor w_t, Tensor v, Tensor idx, Tensor thresholds) -> Tensor
         custom_op; a mixture of experts' one token: S selected experts (idx) of the stacked w_t
         (E, K, N), each input row v[s] masked by |v| >= thresholds[idx[s]]; CPU: one embedding_bag
@@ -58,8 +61,9 @@ import torch
 from .cpu_gemv import MODE_IDS, masked_linear_native, masked_linear_native_int8
 from .masked_gemv import (expert_masked_gemv_dense, expert_masked_gemv_gather, masked_gemv_dense,
                           masked_gemv_int8_dense, masked_gemv_int8_torch, masked_gemv_torch)
-from .triton_gemv import (grouped_dense_gemv_triton, grouped_masked_gemv_int8_triton, grouped_masked_gemv_triton,
-                          int8_kernel, interpreting, kernels, sparsity_bin, triton_available)
+from .triton_gemv import (expert_masked_gemv_triton, grouped_dense_gemv_triton, grouped_masked_gemv_int8_triton,
+                          grouped_masked_gemv_triton, int8_kernel, interpreting, kernels, sparsity_bin,
+                          triton_available)
 
 __all__ = ["uses_triton", "decode_masked", "decode_expert_masked", "decode_masked_grouped", "decode_dense_grouped",
            "decode_masked_int8", "decode_masked_int8_grouped", "masked_gemv_impl", "masked_gemv_int8_impl",
@@ -229,9 +233,18 @@ if not _registered("masked_gemv_int8_grouped"):
 if HAS_TRITON and not _registered("masked_gemv_int8_triton"):
     torch.library.triton_op("rana::masked_gemv_int8_triton", _masked_gemv_int8_triton_op, mutates_args=())
 
+def _expert_masked_gemv_triton_op(w_t: torch.Tensor, v: torch.Tensor, idx: torch.Tensor,
+                                  thresholds: torch.Tensor) -> torch.Tensor:
+    return expert_masked_gemv_triton(w_t, v, idx, thresholds, wrap=torch.library.wrap_triton)
+
+
+if HAS_TRITON and not _registered("expert_masked_gemv_triton"):
+    torch.library.triton_op("rana::expert_masked_gemv_triton", _expert_masked_gemv_triton_op, mutates_args=())
+
 OP_NAMES = ("rana::masked_gemv", "rana::masked_gemv_grouped", "rana::expert_masked_gemv", "rana::masked_gemv_int8",
             "rana::masked_gemv_int8_grouped") + (
-    ("rana::masked_gemv_triton", "rana::dense_gemv_triton", "rana::masked_gemv_int8_triton") if HAS_TRITON else ())
+    ("rana::masked_gemv_triton", "rana::dense_gemv_triton", "rana::masked_gemv_int8_triton",
+     "rana::expert_masked_gemv_triton") if HAS_TRITON else ())
 
 
 # --------------------------------------------------------------------------------------------
@@ -304,8 +317,14 @@ def decode_dense_grouped(vs, ws) -> list[torch.Tensor] | None:
 
 
 def decode_expert_masked(w_t: torch.Tensor, v: torch.Tensor, idx: torch.Tensor, thresholds: torch.Tensor) -> torch.Tensor:
-    """``(m_s ⊙ v[s]) @ w_t[idx[s]]`` for the S experts one token was routed to; (S, N). Under
-    torch.compile the registered op (its data-dependent gather stays inside it: no graph break)."""
+    """``(m_s ⊙ v[s]) @ w_t[idx[s]]`` for the S experts one token was routed to; (S, N). Where the Triton
+    kernels run: one launch reading only the selected experts' kept rows (rana_expert_masked_gemv, the
+    expert index read on the device); CPU: the active-row gather. Under torch.compile the registered ops
+    (their data-dependent gathers stay inside them: no graph break)."""
+    if _use_triton(v) and w_t.stride(-1) == 1 and v.stride(-1) == 1:
+        if torch.compiler.is_compiling():
+            return torch.ops.rana.expert_masked_gemv_triton(w_t, v, idx, thresholds)
+        return expert_masked_gemv_triton(w_t, v, idx, thresholds)
     if torch.compiler.is_compiling():
         return torch.ops.rana.expert_masked_gemv(w_t, v, idx, thresholds)
     return expert_masked_gemv_impl(w_t, v, idx, thresholds)

@@ -57,7 +57,7 @@ import torch
 from .cpu_gemv import MODE_IDS
 
 __all__ = ["triton_available", "interpreting", "grouped_masked_gemv_triton", "grouped_dense_gemv_triton",
-           "grouped_masked_gemv_int8_triton", "int8_kernel",
+           "grouped_masked_gemv_int8_triton", "int8_kernel", "expert_masked_gemv_triton", "expert_kernel",
            "choose_config", "heuristic_config",
            "MODE_IDS", "GemvConfig", "TABLE_FILE", "table_key", "sparsity_bin", "KERNEL_NAMES", "config_table",
            "set_config_table", "read_table"]
@@ -67,7 +67,8 @@ TABLE_FILE = Path(__file__).with_name("gemv_configs.json")
 # An export inlines the table here: transformers copies only the .py files of remote code.
 SHIPPED_TABLE: dict | None = None  # rana:shipped-gemv-table
 # what profilers show
-KERNEL_NAMES = ("rana_masked_gemv", "rana_gemv_reduce", "rana_dense_gemv", "rana_masked_gemv_int8")
+KERNEL_NAMES = ("rana_masked_gemv", "rana_gemv_reduce", "rana_dense_gemv", "rana_masked_gemv_int8",
+                "rana_expert_masked_gemv")
 
 try:  # optional: a model exported with these files must import on machines without triton
     import triton
@@ -221,6 +222,20 @@ if triton is not None:
                 else:
                     _project(w2, v2, t2, s2, b2, q2, out_ptr, ws_ptr, K2, N2, SW2, pid_n - NB0 - NB1, pid_k, KC2,
                              n_total, N0 + N1, MODE, B2, WORKSPACE, BLOCK_N, BLOCK_K, True)
+
+    @triton.jit
+    def rana_expert_masked_gemv(w_ptr, v_ptr, idx_ptr, t_ptr, out_ptr, K, N, stride_e, stride_w, stride_v,
+                                BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+        # a mixture of experts' one token: grid axis 1 is the selected slot s, whose expert idx[s] is read
+        # on the device (no host sync, no loop over experts); its w_t (K, N) is the idx[s]-th slice of the
+        # stacked weights and its inputs are masked by |v[s]| >= t[idx[s]] (MODE 3), kept rows only
+        slot = tl.program_id(1)
+        e = tl.load(idx_ptr + slot).to(tl.int64)
+        offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+        n_ok = offs_n < N
+        acc = _kept_rows_dot(w_ptr + e * stride_e, v_ptr + slot * stride_v, t_ptr + e, t_ptr, offs_n, n_ok, 0, K,
+                             stride_w, 3, BLOCK_N, BLOCK_K)
+        tl.store(out_ptr + slot * N + offs_n, acc.to(out_ptr.dtype.element_ty), mask=n_ok)
 
     @triton.jit
     def rana_gemv_reduce(ws_ptr, y_ptr, N, SPLIT: tl.constexpr, BLOCK: tl.constexpr):
@@ -560,6 +575,35 @@ def grouped_masked_gemv_int8_triton(vs, q_ts, qscales, thresholds, mode: str, sc
     cfg = config or choose_config(ks, ns, vs[0].dtype, mode, sbin, vs[0].device, weight_dtype=torch.int8)
     return _launch(vs, q_ts, thresholds, mode, scales, biases, cfg, wrap=wrap,
                    qscales=[qs.reshape(-1) for qs in qscales])
+
+
+# --------------------------------------------------------------------------------------------
+# a mixture of experts' one token: the selected experts of the stacked weights, indexed on the device
+# --------------------------------------------------------------------------------------------
+def expert_kernel():
+    if triton is None:
+        raise RuntimeError("triton is not installed")
+    return rana_expert_masked_gemv
+
+
+def expert_masked_gemv_triton(w_t: torch.Tensor, v: torch.Tensor, idx: torch.Tensor, thresholds: torch.Tensor,
+                              wrap=None) -> torch.Tensor:
+    """``out[s] = (m_s ⊙ v[s]) @ w_t[idx[s]]``, ``m_s = |v[s]| >= thresholds[idx[s]]``: w_t the stacked
+    (E, K, N) weights with unit stride along N, v (S, K) (any stride between slots: an expanded token),
+    idx (S,) expert indices read by the kernel, thresholds (E,) fp32. One launch, grid (N blocks, S):
+    only the S selected experts' kept rows are read. Returns (S, N) in v's dtype."""
+    if w_t.dim() != 3 or w_t.stride(2) != 1 or v.dim() != 2 or v.stride(1) != 1:
+        raise ValueError(f"expert masked GEMV: w_t (E, K, N) with unit stride along N and v (S, K), got "
+                         f"{tuple(w_t.shape)} / {tuple(v.shape)}")
+    E, K, N = w_t.shape
+    S = idx.shape[0]
+    out = torch.empty((S, N), dtype=v.dtype, device=v.device)
+    cfg = heuristic_config([K], [N], v.dtype, v.device)
+    kernel = wrap(rana_expert_masked_gemv) if wrap is not None else rana_expert_masked_gemv
+    kernel[(-(-N // cfg.block_n), S)](w_t, v, idx.reshape(-1), thresholds, out, K, N, w_t.stride(0), w_t.stride(1),
+                                      v.stride(0), BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
+                                      num_warps=cfg.num_warps)
+    return out
 
 
 # --------------------------------------------------------------------------------------------

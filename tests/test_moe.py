@@ -6,6 +6,7 @@ compiled without a graph break; save / rana.load in a fresh process and export; 
 compress experts refuse in one line."""
 import json
 import math
+import os
 import subprocess
 import sys
 import textwrap
@@ -274,3 +275,61 @@ def test_the_default_searches_the_experts_split_and_teal_does_not():
     _, _, teal = _compressed("qwen3_moe", method="teal", flops=0.6)
     split = teal.plan["layers"][0]["mlp"]["components"]["experts"]["split"]
     assert split["mode"] == "equal" and split["searched"] == [] and split["in_keep"] == split["down_keep"]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_expert_indexed_triton_kernel_under_the_interpreter(dtype):
+    from rana.kernels import triton_gemv as tg
+    if not (tg.triton_available() and tg.interpreting()):
+        pytest.skip("needs triton and TRITON_INTERPRET=1")
+    g = torch.Generator().manual_seed(1)
+    w_t = torch.randn(6, 40, 24, generator=g).to(dtype)  # K, N not multiples of the blocks
+    token = torch.randn(1, 40, generator=g).to(dtype)
+    idx = torch.tensor([4, 1, 4])
+    thr = torch.rand(6, generator=g)
+    thr[1] = -math.inf  # expert 1 keeps every input
+    for v in (token.expand(3, -1), torch.randn(3, 40, generator=g).to(dtype)):  # expanded (stride 0) and own rows
+        ref = expert_masked_gemv_reference(w_t.float(), v.float(), idx, thr)
+        got = tg.expert_masked_gemv_triton(w_t, v, idx, thr)
+        assert got.dtype == dtype and got.shape == (3, 24)
+        tol = 1e-5 if dtype == torch.float32 else 2e-2
+        torch.testing.assert_close(got.float(), ref, atol=tol * ref.abs().max().item(), rtol=0)
+    thr_all = torch.full((6,), math.inf)  # nothing kept: zeros
+    assert tg.expert_masked_gemv_triton(w_t, v, idx, thr_all).abs().max() == 0
+
+
+def test_moe_decode_takes_the_expert_kernel_under_the_interpreter(tmp_path):
+    """With the Triton path switched on for CPU tensors (RANA_TRITON_ON_CPU=1 under the interpreter), one
+    decode token of a compressed MoE runs rana_expert_masked_gemv and gives the gather path's logits."""
+    from rana.kernels import triton_gemv as tg
+    if not (tg.triton_available() and tg.interpreting()):
+        pytest.skip("needs triton and TRITON_INTERPRET=1")
+    _, _, result = _compressed("mixtral", flops=0.7)
+    save(result.model, None, tmp_path / "m", plan=result.plan)
+    script = textwrap.dedent(f"""
+        import json, sys, torch
+        import rana.io
+        from rana.kernels import triton_gemv as tg
+        calls = []
+        original = tg.expert_masked_gemv_triton
+        def counting(*a, **k):
+            calls.append(1)
+            return original(*a, **k)
+        import rana.kernels.ops as ops
+        ops.expert_masked_gemv_triton = counting
+        model, _ = rana.io.load({str(tmp_path / 'm')!r})
+        ids = torch.tensor([[1, 5, 9, 2]])
+        with torch.no_grad():
+            out = model(ids, use_cache=True)
+            step = model(ids[:, -1:], past_key_values=out.past_key_values).logits
+        print(json.dumps({{"calls": len(calls), "logits": step.flatten().tolist()}}))
+    """)
+    runs = {}
+    for flag in ("0", "1"):
+        env = {**os.environ, "TRITON_INTERPRET": "1", "RANA_TRITON_ON_CPU": flag, "HF_HUB_OFFLINE": "1"}
+        proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=600)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        runs[flag] = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert runs["0"]["calls"] == 0 and runs["1"]["calls"] == 4  # two MoE layers, gate/up and down each
+    torch.testing.assert_close(torch.tensor(runs["1"]["logits"]), torch.tensor(runs["0"]["logits"]),
+                               atol=1e-4, rtol=1e-4)

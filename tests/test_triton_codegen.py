@@ -35,7 +35,7 @@ SCRIPT = textwrap.dedent(r'''
 
     out = {"sources": {}, "rows": []}
     kernels = {}
-    for k in (*tg.kernels(), tg.int8_kernel()):
+    for k in (*tg.kernels(), tg.int8_kernel(), tg.expert_kernel()):
         src = pt.regenerated_source(k)
         out["sources"][k.__name__] = [name for name in ("_kept_rows_dot", "_project", "_active", "_dense_rows")
                                       if f"def {name}(" in src]
@@ -94,6 +94,24 @@ SCRIPT = textwrap.dedent(r'''
             continue
         ptx = compile_int8(kernels[v["kernel"]], pt.DTYPES[v["dtype"]], v["constexprs"], v["num_warps"]).asm["ptx"]
         out["rows"].append({**v, **pt.ptx_stats(ptx), **pt.ptxas_resources(ptx)})
+
+    # the expert-indexed kernel of a mixture of experts (Mixtral-8x7B's gate/up and down shapes): expert
+    # indices int64, thresholds fp32, strides 16-divisible as the launcher specializes them
+    for dname, dtype in pt.DTYPES.items():
+        for K, N in ((4096, 28672), (14336, 4096)):
+            cfg = tg.heuristic_config((K,), (N,), dtype, torch.device("cuda"), sms=pt.H100[1])
+            const = dict(BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k)
+            kernel = kernels["rana_expert_masked_gemv"]
+            sig, attrs = pt.signature(kernel, dtype, const)
+            sig["idx_ptr"], sig["t_ptr"] = "*i64", "*fp32"
+            for i, name in enumerate(kernel.arg_names):
+                if name in ("K", "N", "stride_e", "stride_w", "stride_v"):
+                    attrs[(i,)] = [["tt.divisibility", 16]]
+            ptx = triton.compile(ASTSource(kernel, sig, const, attrs), target=GPUTarget("cuda", 90, 32),
+                                 options={"num_warps": cfg.num_warps}).asm["ptx"]
+            out["rows"].append({"kernel": "rana_expert_masked_gemv", "dtype": dname, "constexprs": const,
+                                "num_warps": cfg.num_warps, "first_seen_in": f"experts {K}x{N}",
+                                **pt.ptx_stats(ptx), **pt.ptxas_resources(ptx)})
 
     # negative controls: a helper reached through a closure, and a reduction inside the loop
     path = sys.argv[2]
@@ -195,6 +213,7 @@ def test_inductor_regeneration_keeps_every_helper(compiled):
     assert compiled["sources"]["rana_gemv_reduce"] == []
     assert compiled["sources"]["rana_dense_gemv"] == ["_dense_rows"]
     assert compiled["sources"]["rana_masked_gemv_int8"] == ["_kept_rows_dot", "_project", "_active"]
+    assert compiled["sources"]["rana_expert_masked_gemv"] == ["_kept_rows_dot", "_active"]
 
 
 def test_every_specialization_compiles_for_sm90(compiled):
@@ -218,6 +237,9 @@ def test_every_specialization_compiles_for_sm90(compiled):
     assert {r["constexprs"]["WORKSPACE"] for r in int8} == {True, False}
     assert {(r["constexprs"]["BLOCK_N"], r["constexprs"]["BLOCK_K"]) for r in int8} == {(tg.INT8_BLOCK_N,
                                                                                       tg.INT8_BLOCK_K)}
+    # the expert-indexed MoE kernel: every activation dtype
+    experts = [r for r in rows if r["kernel"] == "rana_expert_masked_gemv"]
+    assert {r["dtype"] for r in experts} == {"bfloat16", "float16", "float32"}
 
 
 def test_k_loop_streams(compiled):
