@@ -241,10 +241,14 @@ def test_rana_quantize_writes_an_int8_folder(int8_folders):
         dtypes = {k: f.get_slice(k).get_dtype() for k in f.keys()}
     assert {v for k, v in dtypes.items() if k.endswith("qweight")} == {"I8"}
     assert {v for k, v in dtypes.items() if k.endswith("weight_scale")} == {"F32"}
-    with pytest.raises(Exception, match="int8"):  # fine-tuning an int8 folder is refused
-        from rana.finetune import FinetuneConfig
-        from rana.finetune.source import inspect_source
-        inspect_source(FinetuneConfig(source=str(quant)))
+    # fine-tuning an int8 folder: LoRA on the frozen int8 base is accepted (tests/test_finetune_int8.py), --full
+    # (training the codes themselves) is refused in one line
+    from rana.finetune import FinetuneConfig, FinetuneError
+    from rana.finetune.source import inspect_source
+    assert inspect_source(FinetuneConfig(source=str(quant))).meta["weights"] == "int8"
+    with pytest.raises(FinetuneError, match="int8 weights: --full") as e:
+        inspect_source(FinetuneConfig(source=str(quant), full=True))
+    assert "\n" not in str(e.value)
 
 
 def test_int8_folder_reloads_identically_in_a_fresh_process(int8_folders, tmp_path):

@@ -9,6 +9,9 @@ The flow (docs/method.md §6-8)::
       → [self-guided start: α·dense + (1−α)·adapted, α → 0]   --self-guided-frac 0.1
       → merge LoRA, refresh neuron norms → rana folder + train_log.jsonl + finetune.json
 
+An int8 folder (`rana quantize`) trains LoRA on its frozen int8 base and is merged back by requantizing
+(`int8_lora`); it is written as an int8 folder again (--full is refused: int8 codes have no gradient).
+
 Where each part lives: `run.finetune` wires the flow; `config` (what a run is asked to do), `source`
 (the model, tokenizer and dense reference it starts from), `data` (its blocks), `targets` (what trains,
 the merge), `guidance` (the self-guided start), `trainer` (the loop), `checkpoints` (save, verify, resume).

@@ -177,11 +177,17 @@ def write_output(folder: CheckpointFolder, source: Source, model: nn.Module, res
     the run's own checkpoints inside it are spent and go."""
     out = folder.out
     model = model.to(source.save_dtype) if source.kind == "rana" else model
-    extra = {k: v for k, v in source.meta.items() if k not in ("format_version", "dtype", "adapters", "laurel")}
+    # "weights" / "int8": written again from the merged model's own modules (an int8 source stays int8)
+    extra = {k: v for k, v in source.meta.items()
+             if k not in ("format_version", "dtype", "adapters", "laurel", "weights", "int8")}
     if result.trainables.laurel is not None:
         extra["laurel"] = result.trainables.laurel.to_dict()
     extra["finetune"] = {k: summary[k] for k in ("mode", "laurel", "tokens_trained", "lr", "heldout_ppl_before",
                                                 "heldout_ppl_after", "config_hash")}
+    if source.meta.get("weights", "none") == "int8" and result.trainables.peft:
+        # rana.finetune.int8_lora: the LoRA terms merged into the int8 base, each target requantized
+        extra["finetune"]["int8_merge"] = {"requantized_modules": result.trainables.lora_targets,
+                                           "scales": "max-abs per output channel, float32"}
     ckpt_dir = folder.path
     inside = ckpt_dir is not None and ckpt_dir == out / CHECKPOINTS
     with atomic_dir(out, overwrite=True) as tmp:

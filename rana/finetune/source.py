@@ -37,10 +37,12 @@ def inspect_source(config: FinetuneConfig) -> Source:
     if is_rana_dir(src):
         check_folder(src)  # schema, index and headers: one line before any work
         meta, plan = read_meta(Path(src)), read_plan(src)
-        if meta.get("weights", "none") == "int8":
+        if meta.get("weights", "none") == "int8" and config.full:
+            # LoRA on the frozen int8 base works (rana.finetune.int8_lora); the codes themselves cannot train
             raise FinetuneError(
-                f"'{config.source}' holds int8 weights: fine-tuning an int8 folder is not supported; fine-tune the "
-                "full-precision folder it was quantized from, then run `rana quantize DIR --weights int8 --out DIR2`")
+                f"'{config.source}' holds int8 weights: --full cannot train them (int8 codes have no gradient); "
+                "fine-tune it with LoRA (merged back by requantizing), or --full on the full-precision folder it "
+                "was quantized from, then `rana quantize DIR --weights int8 --out DIR2`")
         return Source("rana", src, meta, plan, getattr(torch, meta.get("dtype", "float32")))
     if not config.full and config.lora_targets in (None, "adapters"):
         raise FinetuneError(

@@ -11,6 +11,7 @@ import torch.nn as nn
 from ..archs import get_arch
 from ..modules import InputSparseLinear, NeuronThresholdLinear, RankAdapterLinear, RankSliceLinear, SharedRankCode
 from ..modules.common import restore_layouts
+from ..modules.int8 import Int8Linear
 from ..modules.laurel import LaurelConfig, apply_laurel, get_laurel_config, laurel_parameters
 from .config import FinetuneConfig, FinetuneError
 
@@ -28,9 +29,17 @@ def adapter_linear_names(model: nn.Module) -> list[str]:
     return names
 
 
+LINEAR_TYPES = (nn.Linear, Int8Linear)  # what LoRA wraps: full-precision and int8 linears (rana.finetune.int8_lora)
+
+
 def _is_linear(module: nn.Module) -> bool:
-    """An nn.Linear, or a peft LoRA wrapper around one."""
-    return isinstance(module, nn.Linear) or isinstance(getattr(module, "base_layer", None), nn.Linear)
+    """An nn.Linear or Int8Linear, or a peft LoRA wrapper around one."""
+    return isinstance(module, LINEAR_TYPES) or isinstance(getattr(module, "base_layer", None), LINEAR_TYPES)
+
+
+def has_int8(model: nn.Module) -> bool:
+    """True when the model holds int8 linears (an int8 rana folder)."""
+    return any(type(m) is Int8Linear for m in model.modules())
 
 
 def _layer_roots(model: nn.Module) -> list[str]:
@@ -50,7 +59,7 @@ def _dense_projection_names(model: nn.Module) -> list[str]:
             inside_adapter.update(f"{name}.{c}" for c, _ in m.named_modules() if c)
     out = []
     for name, m in model.named_modules():
-        if isinstance(m, nn.Linear) and name not in inside_adapter and any(name.startswith(r + ".") for r in roots):
+        if isinstance(m, LINEAR_TYPES) and name not in inside_adapter and any(name.startswith(r + ".") for r in roots):
             if ".laurel_" not in name:
                 out.append(name)
     return out
@@ -87,8 +96,8 @@ def resolve_lora_targets(model: nn.Module, spec: str | None) -> list[str]:
         for n in hits:
             m = modules[n]
             if isinstance(m, ADAPTER_TYPES):
-                found += [f"{n}.{c}" for c, ch in m.named_children() if isinstance(ch, nn.Linear)]
-            elif isinstance(m, nn.Linear):
+                found += [f"{n}.{c}" for c, ch in m.named_children() if isinstance(ch, LINEAR_TYPES)]
+            elif isinstance(m, LINEAR_TYPES):
                 found.append(n)
         if not found:
             leaves = sorted({n.split(".")[-1] for n in _dense_projection_names(model)} |
@@ -142,6 +151,9 @@ def make_trainable(model: nn.Module, config: FinetuneConfig) -> tuple[nn.Module,
     targets = [] if config.full else resolve_lora_targets(model, config.lora_targets)
     peft_on = bool(targets)
     if config.full:
+        if has_int8(model):
+            raise FinetuneError("--full cannot train int8 weights (codes have no gradient); fine-tune an int8 "
+                                "folder with LoRA (--lora-targets), merged back by requantizing")
         for p in model.parameters():
             p.requires_grad_(True)
     elif peft_on:
@@ -149,6 +161,10 @@ def make_trainable(model: nn.Module, config: FinetuneConfig) -> tuple[nn.Module,
 
         lora = LoraConfig(r=config.lora_r, lora_alpha=config.lora_alpha, lora_dropout=config.lora_dropout,
                           target_modules=targets, bias="none")
+        if has_int8(model):  # LoRA on the frozen int8 base, merged back by requantizing
+            from .int8_lora import register_int8
+
+            register_int8(lora)
         model = get_peft_model(model, lora)
     else:
         for p in model.parameters():
@@ -174,8 +190,9 @@ def make_trainable(model: nn.Module, config: FinetuneConfig) -> tuple[nn.Module,
 
 
 def merge_trained(model: nn.Module, *, gradient_checkpointing: bool) -> nn.Module:
-    """An unwrapped trained model as a plain frozen one in eval mode: LoRA merged, adapter weights
-    column-major again, neuron norms of the merged weights, the KV cache back on."""
+    """An unwrapped trained model as a plain frozen one in eval mode: LoRA merged (into an int8 base by
+    requantizing, rana.finetune.int8_lora), adapter weights column-major again, neuron norms of the merged
+    weights, the KV cache back on."""
     if hasattr(model, "merge_and_unload"):
         model = model.merge_and_unload()
     if hasattr(model, "gradient_checkpointing_disable") and gradient_checkpointing:
@@ -200,7 +217,17 @@ def restore_column_major(model: nn.Module) -> None:
 def refresh_norms(model: nn.Module) -> None:
     for m in model.modules():
         if isinstance(m, NeuronThresholdLinear):
-            m.refresh_norms()
+            _refresh(m)
+
+
+@torch.no_grad()
+def _refresh(m: NeuronThresholdLinear) -> None:
+    """`m`'s column norms of its own weight; of an int8 one, the fp32 dequantized weight whatever the compute
+    dtype (as a float32 load of the folder computes them)."""
+    if type(m.linear) is Int8Linear:
+        m.column_norms.copy_(m.linear.dequantized(torch.float32).norm(dim=0))
+    else:
+        m.refresh_norms()
 
 
 @torch.no_grad()
@@ -212,11 +239,12 @@ def sync_neuron_norms(model: nn.Module) -> None:
         if isinstance(m, NeuronThresholdLinear):
             lin = m.linear
             base = getattr(lin, "base_layer", None)
-            if isinstance(base, nn.Linear) and hasattr(lin, "get_delta_weight"):
-                w = base.weight
+            if isinstance(base, LINEAR_TYPES) and hasattr(lin, "get_delta_weight"):
+                # an int8 base: its fp32 dequantized weight (the merge requantizes W + ΔW)
+                w = base.dequantized(torch.float32) if type(base) is Int8Linear else base.weight
                 for name in getattr(lin, "active_adapters", []):
                     if name in getattr(lin, "lora_A", {}) and not lin.merged:
                         w = w + lin.get_delta_weight(name)
                 m.column_norms.copy_(w.float().norm(dim=0))
             else:
-                m.refresh_norms()
+                _refresh(m)

@@ -42,8 +42,12 @@ class NeuronThresholdLinear(ThresholdedLinearSpec, MacMeter, nn.Module):
 
     @torch.no_grad()
     def refresh_norms(self) -> None:
-        """Recompute ‖W[:, i]‖ (after LoRA merges or weight loading)."""
-        self.column_norms.copy_(self.linear.weight.float().norm(dim=0))
+        """Recompute ‖W[:, i]‖ (after LoRA merges or weight loading), in fp32 from the weights multiplied
+        with (an int8 child's dequantized in fp32, not in the compute dtype: a bf16 load gets the norms a
+        float32 load gets)."""
+        linear = self.linear
+        weight = linear.dequantized(torch.float32) if hasattr(linear, "dequantized") else linear.weight.float()
+        self.column_norms.copy_(weight.norm(dim=0))
 
     decode_mode = "abs_scaled"
 
