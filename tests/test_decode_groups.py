@@ -97,6 +97,8 @@ def grouped_calls(monkeypatch):
         return real(vs, *args)
 
     monkeypatch.setattr(groups, "decode_masked_grouped", counting)
+    # eagerly on CPU the groups step aside by default (a grouped call is a loop there): exercise the grouping
+    monkeypatch.setattr(groups, "GROUP_EAGER_CPU", True)
     return calls
 
 

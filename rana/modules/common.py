@@ -6,7 +6,7 @@ import torch.nn as nn
 
 # rana.kernels is the repository's top-level kernels/ folder, installed inside the package
 # (pyproject.toml package-dir); exports ship both folders' files flat beside each other
-from ..kernels.ops import DEFAULT_SPARSITY_BIN, decode_masked, sparsity_bin
+from ..kernels.ops import DEFAULT_SPARSITY_BIN, decode_masked_linear, sparsity_bin
 from .int8 import Int8Linear, decode_int8
 
 
@@ -90,7 +90,19 @@ def decode_linear(layer: nn.Module, x: torch.Tensor, threshold: torch.Tensor, mo
     weight = params["weight"]
     if torch.is_grad_enabled() and (weight.requires_grad or x.requires_grad):
         return None
-    return decode_masked(weight.t(), x, threshold, mode, scale, params["bias"], sparsity_bin)
+    return decode_masked_linear(weight, x, threshold, mode, scale, params["bias"], sparsity_bin)
+
+
+def decode_weight(layer: nn.Module):
+    """A plain child's weight operand in a grouped decode launch: `w_t` (K × N) of an nn.Linear, `(q_t, qscale)`
+    of an Int8Linear (int8 codes K × N, fp32 scales), None for anything else (a peft wrapper: LoRA must run)."""
+    kind = type(layer)
+    if kind is nn.Linear:
+        return layer._parameters["weight"].t()
+    if kind is Int8Linear:
+        buffers = layer._buffers
+        return buffers["qweight"], buffers["weight_scale"]
+    return None
 
 
 class MacMeter:

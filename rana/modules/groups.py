@@ -13,6 +13,12 @@ their shipped spec). Only adapters of one mask mode are grouped: InputSparseLine
 NeuronThresholdLinear ("abs_scaled"), RankAdapterLinear ("square": each member's own code
 `B x` is its input, the A matrices share the launch). A set with two modes groups each mode's
 members (at least two) and leaves the rest alone; fused projections (qkv, gate_up) need no group.
+Members whose children hold int8 weights (Int8Linear) decode in one `decode_masked_int8_grouped` call
+(one int8 Triton launch); int8 beside full-precision members decode on their own.
+
+Eagerly on CPU (the native kernels) a grouped call would be a loop of single calls, so there the
+group steps aside and each member decodes on its own (`GROUP_EAGER_CPU`); the grouping pays where
+one launch replaces several: Triton (CUDA, the interpreter) and torch.compile (one op per group).
 
 The links are weak references (the group is no module: nothing changes in the module tree or the
 state dict), as for SharedRankCode: ``copy.deepcopy`` keeps them pointing at the originals, so a
@@ -25,12 +31,17 @@ import weakref
 import torch
 import torch.nn as nn
 
-from ..kernels.ops import decode_dense_grouped, decode_masked_grouped, sparsity_bin, uses_triton
+from ..kernels.ops import decode_dense_grouped, decode_masked_grouped, eager_cpu, sparsity_bin, uses_triton
+from .int8 import decode_int8_grouped
 from .neuron_linear import InputSparseLinear, NeuronThresholdLinear
 from .rank_linear import RankAdapterLinear, relink_shared_codes
 
 GROUPABLE = (InputSparseLinear, NeuronThresholdLinear, RankAdapterLinear)
 MAX_GROUP = 3  # the grouped kernel's limit
+# Eagerly on CPU (the native kernels, no Triton) a grouped call is a loop of single calls: the group then only
+# adds work (gathering operands, caching outputs), ~7 µs per projection per token, so each member decodes on
+# its own. True: group there too (tests of the grouping logic on CPU).
+GROUP_EAGER_CPU = False
 
 
 class DecodeGroup:
@@ -55,7 +66,7 @@ class DecodeGroup:
         if cached is not None and cached[0] is x:
             outs, left = cached[1], cached[2]
         else:
-            if x.numel() != x.shape[-1]:
+            if x.numel() != x.shape[-1] or (not GROUP_EAGER_CPU and eager_cpu(x)):
                 return None
             members = self.members()
             if any(m is None or m._decode_group is not self or m.training or m.meter_on for m in members):
@@ -65,9 +76,19 @@ class DecodeGroup:
             if any(o is None for o in operands):
                 return None  # a peft-wrapped child: LoRA must run
             vs, w_ts, ts, scales, biases = (list(c) for c in zip(*operands))
-            if torch.is_grad_enabled() and (x.requires_grad or any(w.requires_grad for w in w_ts)):
-                return None  # the ops have no backward
-            flat = decode_masked_grouped(vs, w_ts, ts, self.mode, scales, biases, self.decode_bin)
+            int8 = [type(w) is tuple for w in w_ts]  # an Int8Linear child: (q_t, qscale)
+            if any(int8):
+                if not all(int8):
+                    return None  # int8 beside full-precision siblings: each decodes on its own
+                if torch.is_grad_enabled() and (x.requires_grad or any(b is not None and b.requires_grad
+                                                                       for b in biases)):
+                    return None
+                flat = decode_int8_grouped(vs, [w[0] for w in w_ts], [w[1] for w in w_ts], ts, self.mode, scales,
+                                           biases, self.decode_bin)
+            else:
+                if torch.is_grad_enabled() and (x.requires_grad or any(w.requires_grad for w in w_ts)):
+                    return None  # the ops have no backward
+                flat = decode_masked_grouped(vs, w_ts, ts, self.mode, scales, biases, self.decode_bin)
             lead = x.shape[:-1]
             outs = [y.view(*lead, y.shape[-1]) for y in flat]
             left = len(members)
@@ -175,5 +196,5 @@ def relink(root: nn.Module) -> int:
     return count
 
 
-__all__ = ["DecodeGroup", "GROUPABLE", "group_bin", "link_siblings", "shared_input_paths", "link_layer",
-           "link_decode_groups", "relink", "unlink"]
+__all__ = ["DecodeGroup", "GROUPABLE", "GROUP_EAGER_CPU", "group_bin", "link_siblings", "shared_input_paths",
+           "link_layer", "link_decode_groups", "relink", "unlink"]

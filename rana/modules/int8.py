@@ -78,6 +78,17 @@ def decode_int8(q_t: torch.Tensor, qscale: torch.Tensor, v: torch.Tensor, thresh
     return masked_int8_torch(q_t, qscale, v, threshold, mode, scale, bias)
 
 
+def decode_int8_grouped(vs, q_ts, qscales, thresholds, mode: str, scales, biases,
+                        sparsity_bin: int = DEFAULT_SPARSITY_BIN) -> list[torch.Tensor]:
+    """Up to three one-token int8 masked GEMVs of sibling projections (one int8 Triton launch where it runs):
+    the kernels' `decode_masked_int8_grouped`, else one `decode_int8` per projection; 1-D outputs."""
+    grouped = getattr(_OPS, "decode_masked_int8_grouped", None)
+    if grouped is not None:
+        return grouped(vs, q_ts, qscales, thresholds, mode, scales, biases, sparsity_bin)
+    return [decode_int8(q, qs, v, t, mode, s, b, sparsity_bin).reshape(-1)
+            for v, q, qs, t, s, b in zip(vs, q_ts, qscales, thresholds, scales, biases)]
+
+
 class Int8Linear(nn.Module):
     """nn.Linear with int8 codes (see the module docstring for the layout)."""
 
@@ -146,4 +157,4 @@ def is_int8(layer: nn.Module) -> bool:
     return type(layer) is Int8Linear
 
 
-__all__ = ["Int8Linear", "INT8_MODES", "decode_int8", "int8_kernel", "is_int8", "masked_int8_torch"]
+__all__ = ["Int8Linear", "INT8_MODES", "decode_int8", "decode_int8_grouped", "int8_kernel", "is_int8", "masked_int8_torch"]

@@ -5,8 +5,8 @@ from __future__ import annotations
 import torch
 import torch.nn as nn
 
-from ..kernels.ops import decode_masked
-from .common import MacMeter, column_major_linear, decode_linear
+from ..kernels.ops import decode_masked_linear
+from .common import MacMeter, column_major_linear, decode_linear, decode_weight
 from .int8 import decode_int8
 
 
@@ -65,12 +65,13 @@ class NeuronThresholdLinear(ThresholdedLinearSpec, MacMeter, nn.Module):
         return self.linear(h * mask)
 
     def decode_operands(self, h: torch.Tensor):
-        """(input, w_t, threshold, scale, bias) of this projection in a grouped decode launch, or None."""
+        """(input, w_t, threshold, scale, bias) of this projection in a grouped decode launch, or None
+        (w_t: `(q_t, qscale)` for int8 weights, see `decode_weight`)."""
         linear = self._modules["linear"]
-        if type(linear) is not nn.Linear:
+        weight = decode_weight(linear)
+        if weight is None:
             return None
-        params = linear._parameters
-        return h, params["weight"].t(), self._buffers["threshold"], self._buffers["column_norms"], params["bias"]
+        return h, weight, self._buffers["threshold"], self._buffers["column_norms"], linear._parameters["bias"]
 
     def measured_macs(self) -> float:
         return self.out_features * self.mean_active()
@@ -107,12 +108,13 @@ class InputSparseLinear(ThresholdedLinearSpec, MacMeter, nn.Module):
         return self.linear(x * mask)
 
     def decode_operands(self, x: torch.Tensor):
-        """(input, w_t, threshold, scale, bias) of this projection in a grouped decode launch, or None."""
+        """(input, w_t, threshold, scale, bias) of this projection in a grouped decode launch, or None
+        (w_t: `(q_t, qscale)` for int8 weights, see `decode_weight`)."""
         linear = self._modules["linear"]
-        if type(linear) is not nn.Linear:
+        weight = decode_weight(linear)
+        if weight is None:
             return None
-        params = linear._parameters
-        return x, params["weight"].t(), self._buffers["threshold"], None, params["bias"]
+        return x, weight, self._buffers["threshold"], None, linear._parameters["bias"]
 
     def measured_macs(self) -> float:
         return self.out_features * self.mean_active()
@@ -182,8 +184,10 @@ class InputSparseHead(MacMeter, nn.Module):
     Parameter (a tied head's), the module keeps that very Parameter, in the embedding's row-major
     layout (transformers' `save_pretrained` cannot handle a shared tensor stored otherwise); a
     weight of its own is stored column-major, so that one decode token's masked GEMV skips one
-    contiguous row of `weight.t()` per inactive input. A row-major (tied) head decodes with the
-    masked dense product instead: the same FLOPs counted, no kernel.
+    contiguous row of `weight.t()` per inactive input. A row-major (tied) head decodes one CPU token
+    through a column-major copy of its weight (`decode_copy`, made on the first decode token, never
+    saved; the head's size once more in memory); with `decode_copy = False`, under torch.compile and
+    on other devices it decodes with the masked dense product: the same FLOPs counted, no kernel.
     """
 
     spec_type = "input_sparse_head"
@@ -219,12 +223,36 @@ class InputSparseHead(MacMeter, nn.Module):
             w.data = w.data.t().contiguous().t()
         return self
 
+    # A tied (row-major) weight decodes on CPU through a column-major copy of it, made on the first decode token and
+    # remade when the weight changes (a plain attribute: not in the state dict, not saved). It costs the head's
+    # size once more in memory and saves reading the masked-out inputs' share of the head on every token (the
+    # head is a fifth of SmolLM2-135M); False: the masked dense product, no copy.
+    decode_copy: bool = True
+    _decode_t: tuple | None = None
+
+    def _column_major_weight(self, w: torch.Tensor) -> torch.Tensor | None:
+        """`w` (N × K) with `w.t()` contiguous: w itself in that layout, else the decode copy (None when off)."""
+        if w.t().is_contiguous():
+            return w
+        if not self.decode_copy or not w.is_cpu or torch.compiler.is_compiling():
+            return None
+        key = (w.data_ptr(), w._version, w.dtype, w.device, tuple(w.shape))
+        cached = self._decode_t
+        if cached is None or cached[0] != key:
+            with torch.no_grad():
+                copy = w.detach().t().contiguous().t()
+            self._decode_t = cached = (key, copy)
+        return cached[1]
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not self.training and not self.meter_on and x.numel() == x.shape[-1]:
             w = self._parameters["weight"]
-            # the masked GEMV reads weight.t() row by row: only in that layout (else it would copy the head per token)
-            if w.t().is_contiguous() and not (torch.is_grad_enabled() and (w.requires_grad or x.requires_grad)):
-                return decode_masked(w.t(), x, self._buffers["threshold"], "abs", None, self._parameters["bias"])
+            if not (torch.is_grad_enabled() and (w.requires_grad or x.requires_grad)):
+                # the masked GEMV reads weight.t() row by row: that layout, or the decode copy of a tied head
+                weight = self._column_major_weight(w)
+                if weight is not None:
+                    return decode_masked_linear(weight, x, self._buffers["threshold"], "abs", None,
+                                                self._parameters["bias"], self.decode_bin)
         mask = x.abs() >= self.threshold
         self._record(mask)
         return nn.functional.linear(x * mask, self.weight, self.bias)

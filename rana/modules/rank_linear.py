@@ -13,7 +13,8 @@ import torch
 import torch.nn as nn
 
 from ..kernels.ops import decode_masked_grouped
-from .common import MacMeter, column_major_linear, decode_linear, row_major_linear
+from .common import MacMeter, column_major_linear, decode_linear, decode_weight, row_major_linear
+from .int8 import Int8Linear
 
 
 def _single_token(x: torch.Tensor) -> bool:
@@ -72,10 +73,10 @@ class RankAdapterLinear(MacMeter, nn.Module):
         """(code z = B x, w_t of A, threshold, scale, bias) in a grouped decode launch, or None (peft-wrapped).
         `code`: z already computed (the group's one launch for all its members' B)."""
         B, A = self._modules["B"], self._modules["A"]
-        if type(B) is not nn.Linear or type(A) is not nn.Linear:
+        weight = decode_weight(A)
+        if weight is None or type(B) not in (nn.Linear, Int8Linear):
             return None
-        params = A._parameters
-        return B(x) if code is None else code, params["weight"].t(), self._buffers["threshold"], None, params["bias"]
+        return B(x) if code is None else code, weight, self._buffers["threshold"], None, A._parameters["bias"]
 
     def code_weight(self) -> torch.Tensor | None:
         """B's weight when a grouped launch may compute this adapter's code (a plain, unwrapped B)."""
