@@ -49,7 +49,7 @@ from pathlib import Path
 
 import torch
 
-__all__ = ["native_kernel", "native_status", "masked_gemv_native", "masked_linear_native", "native_limit", "MODE_IDS",
+__all__ = ["expert_masked_gemv_native", "native_kernel", "native_status", "masked_gemv_native", "masked_linear_native", "native_limit", "MODE_IDS",
            "native_kernel_int8", "masked_linear_native_int8", "masked_gemv_native_int8", "dense_streak",
            "reset_dense_streaks", "library_name", "BUILD_ATTEMPTS", "DENSE_STREAK"]
 
@@ -211,6 +211,39 @@ int64_t rana_masked_gemv_i8(const int8_t* __restrict w, const float* __restrict 
     rana_accumulate_i8(w, qscale, x, idx, n, ldw, 0, N, bias, y);
     return n;
 }
+
+/* A mixture of experts' one token: S selected experts of the stacked w (E blocks of K rows of N floats,
+   block stride lde, row stride ldw). Slot s reads its input x + s*ldx (ldx 0: one token for every slot),
+   keeps |x_k| >= t[experts[s]] and writes y + s*N; only the kept rows of the selected experts are read,
+   with the loop over slots here rather than in Python. idx: scratch for K int32 active indices. */
+void rana_expert_masked_gemv_f32(const float* __restrict w, const float* __restrict x,
+                                 const int64_t* __restrict experts, const float* __restrict t, int64_t S,
+                                 int64_t K, int64_t N, int64_t lde, int64_t ldw, int64_t ldx,
+                                 float* __restrict y, int32_t* __restrict idx, int threads) {
+    for (int64_t s = 0; s < S; ++s) {
+        const float* ws = w + experts[s] * lde;
+        const float* xs = x + s * ldx;
+        float* ys = y + s * N;
+        const float ts = t[experts[s]];
+        int64_t n = 0;
+        for (int64_t k = 0; k < K; ++k)
+            if (rana_active(xs[k], ts, 3, 0, k)) idx[n++] = (int32_t)k;
+        memset(ys, 0, (size_t)N * sizeof(float));
+#ifdef _OPENMP
+        if (threads > 1 && N >= 64 * threads) {
+            #pragma omp parallel num_threads(threads)
+            {
+                const int64_t nt = omp_get_num_threads(), tid = omp_get_thread_num();
+                const int64_t chunk = ((N + nt - 1) / nt + 15) / 16 * 16;
+                const int64_t j0 = tid * chunk, j1 = j0 + chunk < N ? j0 + chunk : N;
+                if (j0 < j1) rana_accumulate(ws, xs, idx, n, ldw, j0, j1, ys);
+            }
+            continue;
+        }
+#endif
+        rana_accumulate(ws, xs, idx, n, ldw, 0, N, ys);
+    }
+}
 """
 BUILD_FLAGS = ("-O3", "-march=native", "-shared", "-fPIC")
 OPENMP_FLAG = "-fopenmp"
@@ -370,6 +403,10 @@ def _load() -> tuple[object | None, str]:
         fn_i8.argtypes = [p, p, p, i64, i64, i64, ctypes.c_float, ctypes.c_int, p, p, p, p, ctypes.c_int]
         fn_i8.restype = i64
         _INT8_KERNEL[id(fn)] = (fn, fn_i8)  # the same library's int8 entry point (see native_kernel_int8)
+        fn_e = lib.rana_expert_masked_gemv_f32
+        fn_e.argtypes = [p, p, p, p, i64, i64, i64, i64, i64, i64, p, p, ctypes.c_int]
+        fn_e.restype = None
+        _EXPERT_KERNEL[id(fn)] = (fn, fn_e)
         threading_note = "OpenMP" if OPENMP_FLAG in flags else "single-threaded"
         return fn, f"native ({os.path.basename(compiler)} {' '.join(flags[:2])}, {threading_note}){note}"
     return None, f"torch fallback (native kernel build failed: {error[:200]})"
@@ -503,6 +540,34 @@ def _out_shape(dim: int, N: int) -> tuple[int, ...]:
 # int8 weights: y = qscale * ((m ⊙ v) @ q_t) (+ bias)
 # --------------------------------------------------------------------------------------------
 _INT8_KERNEL: dict = {}  # id(fp32 entry point) -> (it, its library's int8 entry point), filled by _load
+_EXPERT_KERNEL: dict = {}  # id(fp32 entry point) -> (it, its library's expert-indexed entry point)
+
+
+def expert_masked_gemv_native(w_t: torch.Tensor, v: torch.Tensor, idx: torch.Tensor,
+                              thresholds: torch.Tensor) -> torch.Tensor | None:
+    """A mixture of experts' one token on CPU, fp32, as one native call: ``y[s] = (m_s ⊙ v[s]) @
+    w_t[idx[s]]`` with ``m_s = |v[s]| >= thresholds[idx[s]]``, reading only the selected experts' kept
+    rows. ``w_t`` the stacked (E, K, N) weights with unit stride along N, ``v`` (S, K) with unit stride
+    along K (an expanded token, stride 0 between slots, is fine), ``idx`` (S,) expert indices,
+    ``thresholds`` (E,) fp32. Returns (S, N) fp32, or None where the kernel is unavailable or the inputs
+    do not suit it (other dtypes or layouts, gradients wanted, under torch.compile): the caller's torch path."""
+    fn = _load()[0]
+    pair = None if fn is None else _EXPERT_KERNEL.get(id(fn))
+    if pair is None or pair[0] is not fn:
+        return None
+    if (w_t.dtype is not torch.float32 or v.dtype is not torch.float32 or w_t.dim() != 3 or v.dim() != 2
+            or not (w_t.is_cpu and v.is_cpu) or w_t.stride(2) != 1 or v.stride(1) != 1
+            or v.shape[1] != w_t.shape[1] or idx.dim() != 1 or idx.shape[0] != v.shape[0]):
+        return None
+    if torch.compiler.is_compiling() or (torch.is_grad_enabled() and (w_t.requires_grad or v.requires_grad)):
+        return None
+    E, K, N = w_t.shape
+    experts = idx.to(torch.int64).contiguous()
+    t = thresholds.to(torch.float32).contiguous()
+    y = torch.empty((v.shape[0], N), dtype=torch.float32)
+    pair[1](w_t.data_ptr(), v.data_ptr(), experts.data_ptr(), t.data_ptr(), v.shape[0], K, N, w_t.stride(0),
+            w_t.stride(1), v.stride(0), y.data_ptr(), _scratch_index(K).data_ptr(), torch.get_num_threads())
+    return y
 
 
 def native_kernel_int8():

@@ -19,8 +19,9 @@ Ops (one token: ``v`` holds K values, any leading dims of size 1):
         kept rows, the expert index read on the device.
     rana::expert_masked_gemv(Tensor w_t, Tensor v, Tensor idx, Tensor thresholds) -> Tensor
         custom_op; a mixture of experts' one token: S selected experts (idx) of the stacked w_t
-        (E, K, N), each input row v[s] masked by |v| >= thresholds[idx[s]]; CPU: one embedding_bag
-        over the active rows of all selected experts, elsewhere the gathered dense batched product.
+        (E, K, N), each input row v[s] masked by |v| >= thresholds[idx[s]]; CPU: the native kernel
+        (fp32: one C call over the selected experts' kept rows), else one embedding_bag over the active
+        rows of all selected experts; elsewhere the gathered dense batched product.
 
     rana::masked_gemv_int8(Tensor q_t, Tensor qscale, Tensor v, Tensor threshold, str mode, Tensor? scale,
                            Tensor? bias) -> Tensor
@@ -58,7 +59,7 @@ from typing import Optional, Sequence
 
 import torch
 
-from .cpu_gemv import MODE_IDS, masked_linear_native, masked_linear_native_int8
+from .cpu_gemv import MODE_IDS, expert_masked_gemv_native, masked_linear_native, masked_linear_native_int8
 from .masked_gemv import (expert_masked_gemv_dense, expert_masked_gemv_gather, masked_gemv_dense,
                           masked_gemv_int8_dense, masked_gemv_int8_torch, masked_gemv_torch)
 from .triton_gemv import (expert_masked_gemv_triton, grouped_dense_gemv_triton, grouped_masked_gemv_int8_triton,
@@ -164,7 +165,12 @@ if HAS_TRITON and not _registered("dense_gemv_triton"):
 
 def expert_masked_gemv_impl(w_t: torch.Tensor, v: torch.Tensor, idx: torch.Tensor,
                             thresholds: torch.Tensor) -> torch.Tensor:
-    """One token through S selected experts: the active-row gather on CPU, the sync-free product elsewhere."""
+    """One token through S selected experts: on CPU the native kernel (fp32) else the active-row gather,
+    the sync-free product elsewhere."""
+    if v.is_cpu and w_t.is_cpu:
+        y = expert_masked_gemv_native(w_t, v, idx, thresholds)  # fp32: one native call over the selected experts
+        if y is not None:
+            return y
     if v.is_cpu and w_t.is_cpu and w_t.is_contiguous():
         return expert_masked_gemv_gather(w_t, v, idx, thresholds).contiguous()
     return expert_masked_gemv_dense(w_t, v, idx, thresholds).contiguous()

@@ -333,3 +333,30 @@ def test_moe_decode_takes_the_expert_kernel_under_the_interpreter(tmp_path):
     assert runs["0"]["calls"] == 0 and runs["1"]["calls"] == 4  # two MoE layers, gate/up and down each
     torch.testing.assert_close(torch.tensor(runs["1"]["logits"]), torch.tensor(runs["0"]["logits"]),
                                atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+def test_expert_indexed_native_kernel(threads):
+    from rana.kernels import cpu_gemv as cg
+    if cg.native_kernel() is None:
+        pytest.skip(cg.native_status())
+    g = torch.Generator().manual_seed(2)
+    w_t = torch.randn(8, 72, 200, generator=g)  # N split over threads, K not a multiple of 4
+    token = torch.randn(1, 72, generator=g)
+    idx, thr = torch.tensor([6, 2, 6, 0]), torch.rand(8, generator=g)
+    thr[2], thr[0] = -math.inf, math.inf  # expert 2 keeps everything, expert 0 nothing
+    old = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        for v in (token.expand(4, -1), torch.randn(4, 72, generator=g)):
+            ref = expert_masked_gemv_reference(w_t, v, idx, thr)
+            got = cg.expert_masked_gemv_native(w_t, v, idx, thr)
+            torch.testing.assert_close(got, ref, atol=1e-5, rtol=1e-5)
+            assert got[3].abs().max() == 0
+            torch.testing.assert_close(decode_expert_masked(w_t, v, idx, thr), ref, atol=1e-5, rtol=1e-5)
+    finally:
+        torch.set_num_threads(old)
+    # what it does not take goes to the torch paths (same results)
+    assert cg.expert_masked_gemv_native(w_t.to(torch.bfloat16), token.expand(4, -1).bfloat16(), idx, thr) is None
+    assert cg.expert_masked_gemv_native(w_t.transpose(1, 2).contiguous().transpose(1, 2), token.expand(4, -1), idx,
+                                        thr) is None
