@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import resource
 import subprocess
 import sys
 import tempfile
@@ -41,7 +42,14 @@ sys.exit(code)
 """
 
 
-def run_compress(model: str, flops: float, method: str, out: Path, extra: list[str]) -> dict:
+def run_compress(model: str, flops: float, method: str, out: Path, extra: list[str], reuse: bool) -> dict:
+    """Compress into `out` in a child process; its costs are kept beside the folder so --reuse can time
+    decoding later (on a quiet machine) without compressing again."""
+    record = out.with_name(out.name + ".cost.json")
+    if reuse and record.exists() and (out / "plan.json").exists():
+        return json.loads(record.read_text())
+    before = resource.getrusage(resource.RUSAGE_CHILDREN)
+    load_start = os.getloadavg()[0]
     cmd = [sys.executable, "-c", CHILD, "compress", model, "--flops", str(flops), "--method", method,
            "--dataset", str(DATA / "pydoc_calib.txt"), "--out", str(out), "--overwrite", *extra]
     t0 = time.perf_counter()
@@ -49,8 +57,13 @@ def run_compress(model: str, flops: float, method: str, out: Path, extra: list[s
     wall = time.perf_counter() - t0
     if res.returncode != 0:
         raise SystemExit(f"compress failed:\n{res.stderr[-3000:]}")
+    after = resource.getrusage(resource.RUSAGE_CHILDREN)
     peak_kb = int(next(l for l in res.stderr.splitlines() if l.startswith("PEAK_RSS_KB")).split()[1])
-    return {"wall_s": wall, "peak_rss_gb": peak_kb / 1e6}
+    # CPU seconds barely move when other jobs share the machine; wall seconds do (see the load averages)
+    cost = {"wall_s": wall, "cpu_s": (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime),
+            "peak_rss_gb": peak_kb / 1e6, "load_avg_start": load_start, "load_avg_end": os.getloadavg()[0]}
+    record.write_text(json.dumps(cost))
+    return cost
 
 
 def _latency(model, dense, tok, new_tokens: int) -> dict:
@@ -59,6 +72,30 @@ def _latency(model, dense, tok, new_tokens: int) -> dict:
 
     r = measure_latency(model, tok, dense, new_tokens=new_tokens, repeats=3, warmup=1)
     return {"decode_latency_ratio": r["decode_latency_ratio"], "decode_path": r["decode_path"]}
+
+
+def write_results(args, rows: list[dict], load_avg: float, slug: str) -> None:
+    """The table and JSON so far: written after every row, so a long run that is stopped keeps its rows."""
+    meta = {"model": args.model + (" (SmolLM2-135M-Instruct Q4_1 GGUF, dequantised to fp32)"
+                                   if args.model == "smollm2-135m" else ""),
+            "calibration": "pydoc_calib.txt, 32768 tokens (default), seq 512",
+            "eval": f"first {args.eval_tokens} tokens of each text, non-overlapping 512-token windows",
+            "machine": f"{os.cpu_count()} CPU cores; 1-min load average at start {load_avg:.1f}; each row "
+                       "records the load average around its compression and its decode timing (above 2 means "
+                       "other jobs shared the machine: wall times are then upper bounds, CPU seconds hold)",
+            "extra_args": args.extra}
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    stem = RESULTS / f"compress_{slug}{args.tag}"
+    stem.with_suffix(".json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=2))
+    lines = ["| method | target F | measured F | wall (s) | CPU (s) | peak RSS (GB) | ppl pydoc_heldout "
+             "| ppl shakespeare | decode time / dense |", "|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        lines.append(f"| {r['method']} | {r['target']:.2f} | {r['measured_flops']:.4f} | "
+                     f"{r.get('wall_s', float('nan')):.0f} | {r.get('cpu_s', float('nan')):.0f} | "
+                     f"{r.get('peak_rss_gb', float('nan')):.2f} | "
+                     f"{r['ppl_pydoc_heldout']:.2f} | {r['ppl_shakespeare']:.2f} | "
+                     f"{r.get('decode_latency_ratio', float('nan')):.3f} |")
+    stem.with_suffix(".md").write_text("\n".join(lines) + "\n\n" + "\n".join(f"- {k}: {v}" for k, v in meta.items()) + "\n")
 
 
 def main() -> None:
@@ -71,6 +108,8 @@ def main() -> None:
     ap.add_argument("--eval-tokens", type=int, default=32768)
     ap.add_argument("--work", default=None, help="folder for compressed models (default: a temp dir)")
     ap.add_argument("--tag", default="")
+    ap.add_argument("--reuse", action="store_true",
+                    help="keep folders (and their recorded costs) already in --work instead of compressing again")
     ap.add_argument("extra", nargs="*", help="extra `rana compress` options, after --")
     args = ap.parse_args()
 
@@ -87,41 +126,29 @@ def main() -> None:
              for name in ("pydoc_heldout", "shakespeare")}
     rows = [{"method": "dense", "target": 1.0, "measured_flops": 1.0,
              **{f"ppl_{k}": perplexity(dense, v, progress=False)["ppl"] for k, v in texts.items()}}]
-    if not args.latency:
-        del dense
+    del dense  # a 1.5B model twice (dense + the compress child) would not fit 24 GB; reloaded for latency
     load_avg = os.getloadavg()[0]
     slug = "smollm2" if args.model == "smollm2-135m" else Path(args.model).name.replace(".", "p").lower()
     for f in [float(x) for x in args.flops.split(",")]:
         out = work / f"{slug}_{args.method}_{int(f * 100)}"
-        cost = run_compress(args.model, f, args.method, out, args.extra)
+        cost = run_compress(args.model, f, args.method, out, args.extra, args.reuse)
         plan = json.loads((out / "plan.json").read_text())
         model, _ = load(out)
         with torch.no_grad():
             ppl = {f"ppl_{k}": perplexity(model, v, progress=False)["ppl"] for k, v in texts.items()}
-        speed = _latency(model, dense, tok, args.latency_tokens) if args.latency else {}
+        speed = {}
+        if args.latency:
+            dense = load_model(args.model)[0]
+            speed = _latency(model, dense, tok, args.latency_tokens)
+            speed["latency_load_avg"] = os.getloadavg()[0]
+            del dense
         rows.append({"method": args.method, "target": f, "measured_flops": plan["measured_flops"], **cost,
                      "compress_s_in_process": plan["wall_time_s"], **ppl, **speed})
         print(rows[-1], flush=True)
+        write_results(args, rows, load_avg, slug)
         del model
-    meta = {"model": args.model + (" (SmolLM2-135M-Instruct Q4_1 GGUF, dequantised to fp32)"
-                                   if args.model == "smollm2-135m" else ""),
-            "calibration": "pydoc_calib.txt, 32768 tokens (default), seq 512",
-            "eval": f"first {args.eval_tokens} tokens of each text, non-overlapping 512-token windows",
-            "machine": f"{os.cpu_count()} CPU cores; 1-min load average at start {load_avg:.1f} "
-                       "(other jobs shared the machine: wall times are upper bounds)",
-            "extra_args": args.extra}
-    RESULTS.mkdir(parents=True, exist_ok=True)
-    stem = RESULTS / f"compress_{slug}{args.tag}"
-    stem.with_suffix(".json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=2))
-    lines = ["| method | target F | measured F | wall (s) | peak RSS (GB) | ppl pydoc_heldout | ppl shakespeare "
-             "| decode time / dense |", "|---|---|---|---|---|---|---|---|"]
-    for r in rows:
-        lines.append(f"| {r['method']} | {r['target']:.2f} | {r['measured_flops']:.4f} | "
-                     f"{r.get('wall_s', float('nan')):.0f} | {r.get('peak_rss_gb', float('nan')):.2f} | "
-                     f"{r['ppl_pydoc_heldout']:.2f} | {r['ppl_shakespeare']:.2f} | "
-                     f"{r.get('decode_latency_ratio', float('nan')):.3f} |")
-    stem.with_suffix(".md").write_text("\n".join(lines) + "\n\n" + "\n".join(f"- {k}: {v}" for k, v in meta.items()) + "\n")
-    print("\n".join(lines))
+    write_results(args, rows, load_avg, slug)
+    print(RESULTS.joinpath(f"compress_{slug}{args.tag}.md").read_text())
 
 
 if __name__ == "__main__":
