@@ -175,28 +175,38 @@ if triton is not None:
             tl.store(out_ptr + out_off + offs_n, acc.to(out_ptr.dtype.element_ty), mask=n_ok)
 
     @triton.jit
+    def _grouped(w0, v0, t0, s0, b0, q0, w1, v1, t1, s1, b1, q1, w2, v2, t2, s2, b2, q2, out_ptr, ws_ptr,
+                 K0, K1, K2, N0, N1, N2, SW0, SW1, SW2, NB0, NB1, KC0, KC1, KC2, n_total,
+                 G: tl.constexpr, MODE: tl.constexpr, B0: tl.constexpr, B1: tl.constexpr, B2: tl.constexpr,
+                 WORKSPACE: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, INT8: tl.constexpr):
+        # grid axis 0: the output blocks of projection 0, then 1, then 2; axis 1: the input slices
+        pid_n = tl.program_id(0)
+        pid_k = tl.program_id(1)
+        if pid_n < NB0:
+            _project(w0, v0, t0, s0, b0, q0, out_ptr, ws_ptr, K0, N0, SW0, pid_n, pid_k, KC0, n_total, 0,
+                     MODE, B0, WORKSPACE, BLOCK_N, BLOCK_K, INT8)
+        else:
+            if G == 2:
+                _project(w1, v1, t1, s1, b1, q1, out_ptr, ws_ptr, K1, N1, SW1, pid_n - NB0, pid_k, KC1, n_total,
+                         N0, MODE, B1, WORKSPACE, BLOCK_N, BLOCK_K, INT8)
+            elif G == 3:
+                if pid_n < NB0 + NB1:
+                    _project(w1, v1, t1, s1, b1, q1, out_ptr, ws_ptr, K1, N1, SW1, pid_n - NB0, pid_k, KC1,
+                             n_total, N0, MODE, B1, WORKSPACE, BLOCK_N, BLOCK_K, INT8)
+                else:
+                    _project(w2, v2, t2, s2, b2, q2, out_ptr, ws_ptr, K2, N2, SW2, pid_n - NB0 - NB1, pid_k, KC2,
+                             n_total, N0 + N1, MODE, B2, WORKSPACE, BLOCK_N, BLOCK_K, INT8)
+
+    @triton.jit
     def rana_masked_gemv(w0, v0, t0, s0, b0, w1, v1, t1, s1, b1, w2, v2, t2, s2, b2, out_ptr, ws_ptr,
                          K0, K1, K2, N0, N1, N2, SW0, SW1, SW2, NB0, NB1, KC0, KC1, KC2, n_total,
                          G: tl.constexpr, MODE: tl.constexpr, B0: tl.constexpr, B1: tl.constexpr,
                          B2: tl.constexpr, WORKSPACE: tl.constexpr, BLOCK_N: tl.constexpr,
                          BLOCK_K: tl.constexpr):
-        # grid axis 0: the output blocks of projection 0, then 1, then 2; axis 1: the input slices
-        pid_n = tl.program_id(0)
-        pid_k = tl.program_id(1)
-        if pid_n < NB0:
-            _project(w0, v0, t0, s0, b0, w0, out_ptr, ws_ptr, K0, N0, SW0, pid_n, pid_k, KC0, n_total, 0,
-                     MODE, B0, WORKSPACE, BLOCK_N, BLOCK_K, False)
-        else:
-            if G == 2:
-                _project(w1, v1, t1, s1, b1, w1, out_ptr, ws_ptr, K1, N1, SW1, pid_n - NB0, pid_k, KC1, n_total,
-                         N0, MODE, B1, WORKSPACE, BLOCK_N, BLOCK_K, False)
-            elif G == 3:
-                if pid_n < NB0 + NB1:
-                    _project(w1, v1, t1, s1, b1, w1, out_ptr, ws_ptr, K1, N1, SW1, pid_n - NB0, pid_k, KC1,
-                             n_total, N0, MODE, B1, WORKSPACE, BLOCK_N, BLOCK_K, False)
-                else:
-                    _project(w2, v2, t2, s2, b2, w2, out_ptr, ws_ptr, K2, N2, SW2, pid_n - NB0 - NB1, pid_k, KC2,
-                             n_total, N0 + N1, MODE, B2, WORKSPACE, BLOCK_N, BLOCK_K, False)
+        # float weights: no scales (each projection's weight pointer stands in for its unused scale pointer)
+        _grouped(w0, v0, t0, s0, b0, w0, w1, v1, t1, s1, b1, w1, w2, v2, t2, s2, b2, w2, out_ptr, ws_ptr,
+                 K0, K1, K2, N0, N1, N2, SW0, SW1, SW2, NB0, NB1, KC0, KC1, KC2, n_total,
+                 G, MODE, B0, B1, B2, WORKSPACE, BLOCK_N, BLOCK_K, False)
 
     @triton.jit
     def rana_masked_gemv_int8(w0, v0, t0, s0, b0, q0, w1, v1, t1, s1, b1, q1, w2, v2, t2, s2, b2, q2,
@@ -204,24 +214,10 @@ if triton is not None:
                               n_total, G: tl.constexpr, MODE: tl.constexpr, B0: tl.constexpr, B1: tl.constexpr,
                               B2: tl.constexpr, WORKSPACE: tl.constexpr, BLOCK_N: tl.constexpr,
                               BLOCK_K: tl.constexpr):
-        # rana_masked_gemv with int8 weights w_g and their fp32 per-column scales q_g (the same grid and store paths)
-        # grid axis 0: the output blocks of projection 0, then 1, then 2; axis 1: the input slices
-        pid_n = tl.program_id(0)
-        pid_k = tl.program_id(1)
-        if pid_n < NB0:
-            _project(w0, v0, t0, s0, b0, q0, out_ptr, ws_ptr, K0, N0, SW0, pid_n, pid_k, KC0, n_total, 0,
-                     MODE, B0, WORKSPACE, BLOCK_N, BLOCK_K, True)
-        else:
-            if G == 2:
-                _project(w1, v1, t1, s1, b1, q1, out_ptr, ws_ptr, K1, N1, SW1, pid_n - NB0, pid_k, KC1, n_total,
-                         N0, MODE, B1, WORKSPACE, BLOCK_N, BLOCK_K, True)
-            elif G == 3:
-                if pid_n < NB0 + NB1:
-                    _project(w1, v1, t1, s1, b1, q1, out_ptr, ws_ptr, K1, N1, SW1, pid_n - NB0, pid_k, KC1,
-                             n_total, N0, MODE, B1, WORKSPACE, BLOCK_N, BLOCK_K, True)
-                else:
-                    _project(w2, v2, t2, s2, b2, q2, out_ptr, ws_ptr, K2, N2, SW2, pid_n - NB0 - NB1, pid_k, KC2,
-                             n_total, N0 + N1, MODE, B2, WORKSPACE, BLOCK_N, BLOCK_K, True)
+        # int8 weights w_g and their fp32 per-column scales q_g (the same grid and store paths)
+        _grouped(w0, v0, t0, s0, b0, q0, w1, v1, t1, s1, b1, q1, w2, v2, t2, s2, b2, q2, out_ptr, ws_ptr,
+                 K0, K1, K2, N0, N1, N2, SW0, SW1, SW2, NB0, NB1, KC0, KC1, KC2, n_total,
+                 G, MODE, B0, B1, B2, WORKSPACE, BLOCK_N, BLOCK_K, True)
 
     @triton.jit
     def rana_expert_masked_gemv(w_ptr, v_ptr, idx_ptr, t_ptr, out_ptr, K, N, stride_e, stride_w, stride_v,

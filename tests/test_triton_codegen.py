@@ -37,7 +37,7 @@ SCRIPT = textwrap.dedent(r'''
     kernels = {}
     for k in (*tg.kernels(), tg.int8_kernel(), tg.expert_kernel()):
         src = pt.regenerated_source(k)
-        out["sources"][k.__name__] = [name for name in ("_kept_rows_dot", "_project", "_active", "_dense_rows")
+        out["sources"][k.__name__] = [name for name in ("_kept_rows_dot", "_grouped", "_project", "_active", "_dense_rows")
                                       if f"def {name}(" in src]
         kernels[k.__name__] = pt.regenerated_kernel(k)
     variants = pt.variants()
@@ -209,10 +209,10 @@ def compiled(tmp_path_factory):
 
 
 def test_inductor_regeneration_keeps_every_helper(compiled):
-    assert compiled["sources"]["rana_masked_gemv"] == ["_kept_rows_dot", "_project", "_active"]
+    assert compiled["sources"]["rana_masked_gemv"] == ["_kept_rows_dot", "_grouped", "_project", "_active"]
     assert compiled["sources"]["rana_gemv_reduce"] == []
     assert compiled["sources"]["rana_dense_gemv"] == ["_dense_rows"]
-    assert compiled["sources"]["rana_masked_gemv_int8"] == ["_kept_rows_dot", "_project", "_active"]
+    assert compiled["sources"]["rana_masked_gemv_int8"] == ["_kept_rows_dot", "_grouped", "_project", "_active"]
     assert compiled["sources"]["rana_expert_masked_gemv"] == ["_kept_rows_dot", "_active"]
 
 
