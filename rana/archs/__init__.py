@@ -8,6 +8,7 @@ from .base import (
     get_arch,
     register,
     set_submodule,
+    stubbed_decoder_layers,
     supported_model_types,
 )
 from . import (gemma, gemma2, gemma3_text, gpt_neox, granite, llama, mistral, olmo2, phi3, qwen2,  # noqa: F401
@@ -22,5 +23,6 @@ __all__ = [
     "get_arch",
     "register",
     "set_submodule",
+    "stubbed_decoder_layers",
     "supported_model_types",
 ]

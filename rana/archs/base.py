@@ -10,6 +10,7 @@ input a group of projections reads: qkv_in (q, k, v), o, mlp_in (up, gate) and d
 """
 from __future__ import annotations
 
+from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
 
 import torch.nn as nn
@@ -194,3 +195,49 @@ def set_submodule(root: nn.Module, path: str, module: nn.Module) -> None:
 
 def decoder_layers(model: nn.Module, spec: ArchSpec) -> nn.ModuleList:
     return model.get_submodule(spec.layers)
+
+
+# a decoder layer's keyword arguments that belong to a cache, not to the layer's own computation
+CACHE_KWARGS = ("past_key_values", "past_key_value", "layer_past", "use_cache")
+
+
+class _AfterLastLayer(Exception):
+    """Raised by the last stubbed layer: nothing after the decoder layers needs to run."""
+
+
+@contextmanager
+def stubbed_decoder_layers(model: nn.Module, spec: ArchSpec):
+    """Inside the block the model's decoder layers only record their inputs: the yielded
+    `run(input_ids)` runs the embedding stage and returns (hidden states entering layer 0, [each
+    layer's keyword arguments, cache arguments left out]). No layer computes, so their weights may
+    be anywhere (an offload device, or not loaded at all); nothing after the last layer runs."""
+    layers = decoder_layers(model, spec)
+    n = len(layers)
+    record: dict = {}
+
+    def stub(i: int):
+        def forward(*args, **kwargs):
+            hidden = args[0] if args else kwargs.pop("hidden_states")
+            if i == 0:
+                record["hidden"] = hidden
+            record[i] = {k: v for k, v in kwargs.items() if k not in CACHE_KWARGS}
+            if i == n - 1:
+                raise _AfterLastLayer
+            return hidden
+        return forward
+
+    def run(input_ids):
+        record.clear()
+        try:
+            model(input_ids=input_ids, use_cache=False)
+        except _AfterLastLayer:
+            pass
+        return record["hidden"], [record[i] for i in range(n)]
+
+    for i, layer in enumerate(layers):
+        layer.forward = stub(i)
+    try:
+        yield run
+    finally:
+        for layer in layers:
+            layer.__dict__.pop("forward", None)

@@ -14,7 +14,7 @@ import torch
 import torch.nn as nn
 
 from . import distributed, placement
-from ..archs import ArchSpec, decoder_layers
+from ..archs import ArchSpec, stubbed_decoder_layers
 from ..methods.base import InputStats
 
 
@@ -39,9 +39,6 @@ class LayerInputs:
     @property
     def tokens(self) -> int:
         return sum(h.shape[0] * h.shape[1] for h in self.hidden)
-
-
-_CACHE_KWARGS = ("past_key_values", "past_key_value", "layer_past", "use_cache")
 
 
 class LayerKwargs(dict):
@@ -97,38 +94,13 @@ def capture_first_layer_inputs(model: nn.Module, spec: ArchSpec, sequences: torc
     computed, so their weights may be anywhere (offload device, or not loaded at all).
 
     Under `rana.compress.distributed`, each process keeps only its share of the batches."""
-    layers = decoder_layers(model, spec)
-    n_layers = len(layers)
-    record: dict = {}
-
-    def stub(i: int):
-        def forward(*args, **kwargs):
-            hidden = args[0] if args else kwargs.pop("hidden_states")
-            if i == 0:
-                record["hidden"] = hidden
-            record[i] = {k: v for k, v in kwargs.items() if k not in _CACHE_KWARGS}
-            if i == n_layers - 1:
-                raise _Stop
-            return hidden
-        return forward
-
-    for i, layer in enumerate(layers):
-        layer.forward = stub(i)
     hidden, kwargs = [], []
     n_batches = (sequences.shape[0] + batch_size - 1) // batch_size
-    try:
+    with stubbed_decoder_layers(model, spec) as run:
         for b, role in distributed.local_batches(n_batches):
-            batch = sequences[b * batch_size:(b + 1) * batch_size].to(device)
-            record.clear()
-            try:
-                model(input_ids=batch, use_cache=False)
-            except _Stop:
-                pass
-            hidden.append(placement.to_offload(record["hidden"], offload))
-            kwargs.append(LayerKwargs(_share_per_layer([record[i] for i in range(n_layers)], offload), 0, b, role))
-    finally:
-        for layer in layers:
-            layer.__dict__.pop("forward", None)
+            first, per_layer = run(sequences[b * batch_size:(b + 1) * batch_size].to(device))
+            hidden.append(placement.to_offload(first, offload))
+            kwargs.append(LayerKwargs(_share_per_layer(per_layer, offload), 0, b, role))
     return LayerInputs(hidden=hidden, kwargs=kwargs)
 
 

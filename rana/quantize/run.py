@@ -38,7 +38,7 @@ import torch
 import torch.nn as nn
 
 from ..accounting import metering
-from ..archs import decoder_layers, get_arch, set_submodule
+from ..archs import decoder_layers, get_arch, set_submodule, stubbed_decoder_layers
 from ..data import DataError, calibration_batches, load_texts, tokenize_stream
 from ..io.folder import check_folder, is_rana_dir, load, read_meta, read_plan, save
 from ..io.format import WEIGHT_FORMATS
@@ -54,7 +54,6 @@ from ..modules.registry import int8_form, int8_paths
 
 SCORE_ELEMENTS = 1 << 24  # scores kept per adapter while refitting its threshold (rows × mask width)
 DEFAULT_CALIB_TOKENS = 8192
-_CACHE_KWARGS = ("past_key_values", "past_key_value", "layer_past", "use_cache")
 
 
 class QuantizeError(ValueError):
@@ -172,37 +171,9 @@ def _score_sites(layer: nn.Module) -> dict[nn.Module, nn.Module]:
 def capture_layer_inputs(model: nn.Module, spec, ids: torch.Tensor, batch_size: int) -> list[tuple]:
     """[(hidden entering layer 0, [kwargs of layer i])] per batch: the model runs with its decoder layers
     stubbed out (each records its keyword arguments and passes the hidden states on)."""
-    layers = decoder_layers(model, spec)
-    n = len(layers)
-    record: dict = {}
-
-    def stub(i: int):
-        def forward(*args, **kwargs):
-            hidden = args[0] if args else kwargs.pop("hidden_states")
-            if i == 0:
-                record["hidden"] = hidden
-            record[i] = {k: v for k, v in kwargs.items() if k not in _CACHE_KWARGS}
-            if i == n - 1:
-                raise _Stop
-            return hidden
-        return forward
-
     device = model.get_input_embeddings().weight.device
-    out = []
-    for i, layer in enumerate(layers):
-        layer.forward = stub(i)
-    try:
-        for b in range(0, ids.shape[0], batch_size):
-            record.clear()
-            try:
-                model(input_ids=ids[b:b + batch_size].to(device), use_cache=False)
-            except _Stop:
-                pass
-            out.append((record["hidden"], [record[i] for i in range(n)]))
-    finally:
-        for layer in layers:
-            layer.__dict__.pop("forward", None)
-    return out
+    with stubbed_decoder_layers(model, spec) as run:
+        return [run(ids[b:b + batch_size].to(device)) for b in range(0, ids.shape[0], batch_size)]
 
 
 def _call(layer: nn.Module, hidden: torch.Tensor, kwargs: dict) -> torch.Tensor:
