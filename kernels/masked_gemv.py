@@ -218,6 +218,27 @@ def triton_available() -> bool:
     return _triton_available()
 
 
+def _one_token_launch(w_t, v, threshold, mode: str, scale, name: str):
+    """(K, N, kernel mode, device threshold, fp32 scale) of a one-token Triton launch, after the checks
+    both weight kinds share: triton present, one token, CUDA tensors (or the interpreter). Everything
+    active (threshold None / -inf) launches mode "none"."""
+    if not _triton_available():
+        raise RuntimeError("triton is not installed")
+    K, N = w_t.shape
+    if v.numel() != K:
+        raise ValueError(f"{name} handles one token, got v of shape {tuple(v.shape)}")
+    if not _interpreting() and not (v.is_cuda and w_t.is_cuda):
+        raise ValueError(f"{name} needs CUDA tensors (or TRITON_INTERPRET=1)")
+    if _all_active(threshold):
+        kernel_mode, t = "none", torch.zeros((), dtype=torch.float32, device=v.device)
+    else:
+        kernel_mode, t = mode, _threshold_like(threshold, v)
+        if not isinstance(t, torch.Tensor):
+            t = torch.full((), t, dtype=torch.float32, device=v.device)
+    s = scale.reshape(K).to(device=v.device, dtype=torch.float32) if kernel_mode == "abs_scaled" else None
+    return K, N, kernel_mode, t, s
+
+
 def masked_gemv_triton(w_t, v, threshold, *, mode: str, scale=None, bias=None) -> torch.Tensor:
     """Triton masked GEMV for one token (v of shape (K,), (1, K) or (1, 1, K)).
 
@@ -228,20 +249,7 @@ def masked_gemv_triton(w_t, v, threshold, *, mode: str, scale=None, bias=None) -
     sync the GPU either); a python float becomes a device scalar.
     """
     _check(w_t, v, mode, threshold, scale)
-    if not _triton_available():
-        raise RuntimeError("triton is not installed")
-    K, N = w_t.shape
-    if v.numel() != K:
-        raise ValueError(f"masked_gemv_triton handles one token, got v of shape {tuple(v.shape)}")
-    if not _interpreting() and not (v.is_cuda and w_t.is_cuda):
-        raise ValueError("masked_gemv_triton needs CUDA tensors (or TRITON_INTERPRET=1)")
-    if _all_active(threshold):
-        kernel_mode, t = "none", torch.zeros((), dtype=torch.float32, device=v.device)
-    else:
-        kernel_mode, t = mode, _threshold_like(threshold, v)
-        if not isinstance(t, torch.Tensor):
-            t = torch.full((), t, dtype=torch.float32, device=v.device)
-    s = scale.reshape(K).to(device=v.device, dtype=torch.float32) if kernel_mode == "abs_scaled" else None
+    K, N, kernel_mode, t, s = _one_token_launch(w_t, v, threshold, mode, scale, "masked_gemv_triton")
     y = grouped_masked_gemv_triton([v.reshape(K)], [w_t], [t], kernel_mode, [s],
                                     [None if bias is None else bias.reshape(N)])
     return y.reshape(_out_shape(v, N))
@@ -353,20 +361,8 @@ def masked_gemv_int8_torch(q_t, qscale, v, threshold, *, mode: str, scale=None, 
 def masked_gemv_int8_triton(q_t, qscale, v, threshold, *, mode: str, scale=None, bias=None) -> torch.Tensor:
     """The Triton kernel's int8 path for one token (CUDA, or CPU tensors under TRITON_INTERPRET=1)."""
     _check_int8(q_t, qscale, v, mode, threshold, scale)
-    if not _triton_available():
-        raise RuntimeError("triton is not installed")
-    K, N = q_t.shape
-    if v.numel() != K:
-        raise ValueError(f"masked_gemv_int8_triton handles one token, got v of shape {tuple(v.shape)}")
-    if not _interpreting() and not (v.is_cuda and q_t.is_cuda):
-        raise ValueError("masked_gemv_int8_triton needs CUDA tensors (or TRITON_INTERPRET=1)")
-    if mode == "none" or _all_active(threshold):
-        kernel_mode, t = "none", torch.zeros((), dtype=torch.float32, device=v.device)
-    else:
-        kernel_mode, t = mode, _threshold_like(threshold, v)
-        if not isinstance(t, torch.Tensor):
-            t = torch.full((), t, dtype=torch.float32, device=v.device)
-    s = scale.reshape(K).to(device=v.device, dtype=torch.float32) if kernel_mode == "abs_scaled" else None
+    K, N, kernel_mode, t, s = _one_token_launch(q_t, v, None if mode == "none" else threshold, mode, scale,
+                                                "masked_gemv_int8_triton")
     qs = qscale.reshape(N).to(device=v.device, dtype=torch.float32)
     y = grouped_masked_gemv_int8_triton([v.reshape(K)], [q_t], [qs], [t], kernel_mode, [s],
                                         [None if bias is None else bias.reshape(N)])
