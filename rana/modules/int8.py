@@ -18,24 +18,13 @@ weight dequantized for that call. The adapters call `decode_int8` with their mas
 """
 from __future__ import annotations
 
-import sys
-
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from ..kernels.ops import DEFAULT_SPARSITY_BIN, decode_masked
+from ..kernels.ops import DEFAULT_SPARSITY_BIN, decode_masked_int8, decode_masked_int8_grouped
 
-# The kernels' int8 entry point (rana.kernels.ops.decode_masked_int8), looked up on the ops module itself
-# so this file also imports (and ships with exports) where the kernels have none yet: then the torch
-# fallback below runs (dequantized rows, the same masks and results).
-_OPS = sys.modules[decode_masked.__module__]
 INT8_MODES = ("none", "square", "abs_scaled", "abs")
-
-
-def int8_kernel():
-    """The kernels' `decode_masked_int8`, or None where they have none (the torch fallback runs)."""
-    return getattr(_OPS, "decode_masked_int8", None)
 
 
 def masked_int8_torch(q_t: torch.Tensor, qscale: torch.Tensor, v: torch.Tensor, threshold: torch.Tensor | None,
@@ -69,24 +58,17 @@ def masked_int8_torch(q_t: torch.Tensor, qscale: torch.Tensor, v: torch.Tensor, 
 def decode_int8(q_t: torch.Tensor, qscale: torch.Tensor, v: torch.Tensor, threshold: torch.Tensor | None, mode: str,
                 scale: torch.Tensor | None = None, bias: torch.Tensor | None = None,
                 sparsity_bin: int = DEFAULT_SPARSITY_BIN) -> torch.Tensor:
-    """One decode token through int8 weights: the kernels' `decode_masked_int8`, else `masked_int8_torch`."""
-    kernel = int8_kernel()
-    if kernel is not None:
-        if threshold is None:  # mode "none": the kernels take a threshold tensor all the same
-            threshold = torch.full((), float("-inf"), dtype=torch.float32, device=v.device)
-        return kernel(q_t, qscale, v, threshold, mode, scale, bias, sparsity_bin)
-    return masked_int8_torch(q_t, qscale, v, threshold, mode, scale, bias)
+    """One decode token through int8 weights: the kernels' `decode_masked_int8` (native on CPU, Triton on CUDA)."""
+    if threshold is None:  # mode "none": the kernels take a threshold tensor all the same
+        threshold = torch.full((), float("-inf"), dtype=torch.float32, device=v.device)
+    return decode_masked_int8(q_t, qscale, v, threshold, mode, scale, bias, sparsity_bin)
 
 
 def decode_int8_grouped(vs, q_ts, qscales, thresholds, mode: str, scales, biases,
                         sparsity_bin: int = DEFAULT_SPARSITY_BIN) -> list[torch.Tensor]:
     """Up to three one-token int8 masked GEMVs of sibling projections (one int8 Triton launch where it runs):
-    the kernels' `decode_masked_int8_grouped`, else one `decode_int8` per projection; 1-D outputs."""
-    grouped = getattr(_OPS, "decode_masked_int8_grouped", None)
-    if grouped is not None:
-        return grouped(vs, q_ts, qscales, thresholds, mode, scales, biases, sparsity_bin)
-    return [decode_int8(q, qs, v, t, mode, s, b, sparsity_bin).reshape(-1)
-            for v, q, qs, t, s, b in zip(vs, q_ts, qscales, thresholds, scales, biases)]
+    the kernels' `decode_masked_int8_grouped`; 1-D outputs."""
+    return decode_masked_int8_grouped(vs, q_ts, qscales, thresholds, mode, scales, biases, sparsity_bin)
 
 
 class Int8Linear(nn.Module):
@@ -157,4 +139,4 @@ def is_int8(layer: nn.Module) -> bool:
     return type(layer) is Int8Linear
 
 
-__all__ = ["Int8Linear", "INT8_MODES", "decode_int8", "decode_int8_grouped", "int8_kernel", "is_int8", "masked_int8_torch"]
+__all__ = ["Int8Linear", "INT8_MODES", "decode_int8", "decode_int8_grouped", "is_int8", "masked_int8_torch"]
