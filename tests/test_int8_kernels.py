@@ -157,6 +157,36 @@ def test_the_int8_entry_point_comes_from_the_same_cached_library():
     assert cg.library_name("cc", cg.BUILD_FLAGS) != cg.library_name("cc", cg.BUILD_FLAGS + ("-DX",))
 
 
+@pytest.mark.parametrize("target,lanes", [((), (16, 8, 1)), (("-mno-avx512f",), (8, 1)),
+                                          (("-mno-avx512f", "-mno-avx2"), (1,))])
+def test_every_int8_inner_loop_matches_float64(native, tmp_path, target, lanes):
+    """The int8 rows' inner loop is written three times (AVX-512, AVX2, plain C), picked by what the
+    compiler targets: build the library for each target this machine can run and check each against
+    the float64 sum, with widths that leave vector tails (N = 3, 37, 130) and active counts that leave
+    row tails (not multiples of 4)."""
+    import ctypes
+    import shutil
+
+    compiler = shutil.which("cc") or shutil.which("gcc")
+    if compiler is None:
+        pytest.skip("no C compiler")
+    flags = (*cg.BUILD_FLAGS[:2], *target, *cg.BUILD_FLAGS[2:])
+    lib = ctypes.CDLL(str(cg._build(compiler, flags, tmp_path, "variant.so")))
+    assert lib.rana_i8_lanes() in lanes
+    fn = lib.rana_masked_gemv_i8
+    p, i64 = ctypes.c_void_p, ctypes.c_int64
+    fn.argtypes = [p, p, p, i64, i64, i64, ctypes.c_float, ctypes.c_int, p, p, p, p, ctypes.c_int]
+    fn.restype = i64
+    for K, N, frac in [(203, 130, 0.33), (64, 37, 0.5), (9, 3, 1.0), (50, 16, 0.0)]:
+        q_t, qs, v, t, _, b = _problem(K, N, torch.float32, "abs", frac, seed=K * N)
+        y = torch.empty(N)
+        idx = torch.empty(K, dtype=torch.int32)
+        n = fn(q_t.data_ptr(), qs.data_ptr(), v.data_ptr(), K, N, N, t, cg.MODE_IDS["abs"], None, b.data_ptr(),
+               y.data_ptr(), idx.data_ptr(), 1)
+        assert n == round(frac * K)
+        _assert_close(y.reshape(1, N), _expected(q_t, qs, v, t, "abs", None, b), torch.float32)
+
+
 # --------------------------------------------------------------------------------------------
 # torch paths
 # --------------------------------------------------------------------------------------------
