@@ -9,25 +9,21 @@ import torch
 import torch.nn as nn
 
 from ..archs import get_arch
-from ..modules import InputSparseLinear, NeuronThresholdLinear, RankAdapterLinear, RankSliceLinear, SharedRankCode
+from ..modules import InputSparseExperts, InputSparseHead, NeuronThresholdLinear
 from ..modules.common import restore_layouts
 from ..modules.int8 import Int8Linear
 from ..modules.laurel import LaurelConfig, apply_laurel, get_laurel_config, laurel_parameters
+from ..modules.registry import ADAPTER_CLASSES
 from .config import FinetuneConfig, FinetuneError
 
-ADAPTER_TYPES = (RankAdapterLinear, SharedRankCode, RankSliceLinear, NeuronThresholdLinear, InputSparseLinear)
-
-
-def adapter_linear_names(model: nn.Module) -> list[str]:
-    """Dotted names of the nn.Linear children of every RaNA adapter (their B / A / linear)."""
-    names = []
-    for name, m in model.named_modules():
-        if isinstance(m, ADAPTER_TYPES):
-            for child_name, child in m.named_children():
-                if _is_linear(child):
-                    names.append(f"{name}.{child_name}" if name else child_name)
-    return names
-
+# Every adapter kind a folder may hold, from the registry that writes and reads folders: a kind added
+# there is a LoRA target and is restored after the merge without a second list to keep in step here.
+ADAPTER_TYPES = ADAPTER_CLASSES
+# Adapters whose weights are parameters of their own, not linear children: the input-sparse LM head
+# (its `weight`, a tied one the input embedding's very Parameter) and stacked MoE experts (3-D
+# [E, out, in]). peft's target_modules wraps modules (nn.Linear and the like), never a bare
+# parameter, so these are no LoRA targets; --full trains them.
+PARAMETER_ADAPTERS = (InputSparseHead, InputSparseExperts)
 
 LINEAR_TYPES = (nn.Linear, Int8Linear)  # what LoRA wraps: full-precision and int8 linears (rana.finetune.int8_lora)
 
@@ -35,6 +31,27 @@ LINEAR_TYPES = (nn.Linear, Int8Linear)  # what LoRA wraps: full-precision and in
 def _is_linear(module: nn.Module) -> bool:
     """An nn.Linear or Int8Linear, or a peft LoRA wrapper around one."""
     return isinstance(module, LINEAR_TYPES) or isinstance(getattr(module, "base_layer", None), LINEAR_TYPES)
+
+
+def _lora_children(adapter: nn.Module) -> list[str]:
+    """Names of `adapter`'s linear children LoRA can wrap. Empty ones are left out: a rank-0
+    SparseLowRankLinear (plain magnitude sparsity) keeps 0-row side linears, which LoRA cannot train.
+    CatsActivation and RotatedInput hold none (the projections around them are plain linears)."""
+    out = []
+    for name, child in adapter.named_children():
+        base = getattr(child, "base_layer", child)
+        if _is_linear(child) and base.in_features * base.out_features > 0:
+            out.append(name)
+    return out
+
+
+def adapter_linear_names(model: nn.Module) -> list[str]:
+    """Dotted names of the linear children of every RaNA adapter (their B / A / linear / side_in / side_out)."""
+    names = []
+    for name, m in model.named_modules():
+        if isinstance(m, ADAPTER_TYPES):
+            names += [f"{name}.{child}" if name else child for child in _lora_children(m)]
+    return names
 
 
 def has_int8(model: nn.Module) -> bool:
@@ -78,34 +95,46 @@ def resolve_lora_targets(model: nn.Module, spec: str | None) -> list[str]:
         return []
     if spec == "adapters":
         if not adapters:
-            raise FinetuneError("--lora-targets adapters: this model has no RaNA adapters; use --lora-targets all, "
+            raise FinetuneError(f"--lora-targets adapters: {_no_adapter_linears(model)}; use --lora-targets all, "
                                 "a list of module names (e.g. q_proj,v_proj) or --full")
         return adapters
     if spec == "all":
         return adapters + _dense_projection_names(model)
-    modules = dict(model.named_modules())
     chosen: list[str] = []
     for item in (s.strip() for s in spec.split(",")):
-        if not item:
-            continue
-        if item == "adapters":
-            chosen += adapters
-            continue
-        hits = [n for n in modules if n == item or n.endswith("." + item)]
-        found = []
-        for n in hits:
-            m = modules[n]
-            if isinstance(m, ADAPTER_TYPES):
-                found += [f"{n}.{c}" for c, ch in m.named_children() if isinstance(ch, LINEAR_TYPES)]
-            elif isinstance(m, LINEAR_TYPES):
-                found.append(n)
-        if not found:
-            leaves = sorted({n.split(".")[-1] for n in _dense_projection_names(model)} |
-                            {n.split(".")[-2] for n in adapters})
-            raise FinetuneError(f"--lora-targets: no linear or adapter module named {item!r}; available: "
-                                f"{', '.join(leaves)} (or adapters / all)")
-        chosen += found
+        if item:
+            chosen += adapters if item == "adapters" else _named_targets(model, item, adapters)
     return list(dict.fromkeys(chosen))
+
+
+def _no_adapter_linears(model: nn.Module) -> str:
+    """Why a model gives `adapters` no targets: no adapters, or only kinds without linear children."""
+    kinds = sorted({type(m).__name__ for m in model.modules() if isinstance(m, ADAPTER_TYPES)})
+    if not kinds:
+        return "this model has no RaNA adapters"
+    return f"this model's adapters ({', '.join(kinds)}) hold no linear layers LoRA can wrap"
+
+
+def _named_targets(model: nn.Module, item: str, adapters: list[str]) -> list[str]:
+    """The LoRA targets one ``--lora-targets`` name selects (see `resolve_lora_targets`)."""
+    found, bare = [], []
+    for n, m in model.named_modules():
+        if not (n == item or n.endswith("." + item)):
+            continue
+        if isinstance(m, ADAPTER_TYPES):
+            found += [f"{n}.{c}" for c in _lora_children(m)]
+            if isinstance(m, PARAMETER_ADAPTERS):
+                bare.append(f"'{n}' ({type(m).__name__})")
+        elif isinstance(m, LINEAR_TYPES):
+            found.append(n)
+    if found:
+        return found
+    if bare:
+        raise FinetuneError(f"--lora-targets {item}: {', '.join(bare)} holds its weights as parameters of its own, "
+                            "not linear layers, and LoRA wraps only linear layers; train it with --full")
+    leaves = sorted({n.split(".")[-1] for n in _dense_projection_names(model)} | {n.split(".")[-2] for n in adapters})
+    raise FinetuneError(f"--lora-targets: no linear or adapter module named {item!r}; available: "
+                        f"{', '.join(leaves)} (or adapters / all)")
 
 
 def unique_parameters(params):
@@ -191,8 +220,8 @@ def make_trainable(model: nn.Module, config: FinetuneConfig) -> tuple[nn.Module,
 
 def merge_trained(model: nn.Module, *, gradient_checkpointing: bool) -> nn.Module:
     """An unwrapped trained model as a plain frozen one in eval mode: LoRA merged (into an int8 base by
-    requantizing, rana.finetune.int8_lora), adapter weights column-major again, neuron norms of the merged
-    weights, the KV cache back on."""
+    requantizing, rana.finetune.int8_lora), every adapter's weights in its decode layouts again, neuron
+    norms of the merged weights, the KV cache back on."""
     if hasattr(model, "merge_and_unload"):
         model = model.merge_and_unload()
     if hasattr(model, "gradient_checkpointing_disable") and gradient_checkpointing:
@@ -207,11 +236,19 @@ def merge_trained(model: nn.Module, *, gradient_checkpointing: bool) -> nn.Modul
 
 
 def restore_column_major(model: nn.Module) -> None:
-    """Adapter weights back in the layouts the decode kernels read (masked ones column-major, the rank
-    adapters' B row-major) after a LoRA merge."""
+    """Every adapter's weights back in the layouts its decode path reads after a LoRA merge or a sharded
+    run's state-dict reload (masked linears column-major, the rank adapters' B row-major, stacked experts
+    input-major: `restore_layouts`), and an untied input-sparse LM head's own weight column-major."""
+    embeddings = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
+    tied = getattr(embeddings, "weight", None)
     for m in model.modules():
         if isinstance(m, ADAPTER_TYPES):
             restore_layouts(m)
+        # a tied head's weight is the embedding's Parameter: it stays row-major (the embedding's layout, the
+        # only one save_pretrained stores a shared tensor in); an int8 head's codes are buffers (own: None)
+        own = m._parameters.get("weight")
+        if isinstance(m, InputSparseHead) and (own is None or own is not tied):
+            m.column_major_()
 
 
 def refresh_norms(model: nn.Module) -> None:

@@ -39,9 +39,11 @@ def row_major_linear(weight: torch.Tensor, bias: torch.Tensor | None = None) -> 
 
 
 def restore_layouts(module: nn.Module) -> None:
-    """Put an adapter's linear children back in the layouts its decode path reads: the children named
-    in `row_major_children` row-major, every other nn.Linear child column-major. (A loader or a LoRA
-    merge may hand back either.)"""
+    """Put an adapter's weights back in the layouts its decode path reads: the linear children named
+    in `row_major_children` row-major, every other nn.Linear child column-major, int8 codes row-major,
+    and stacked expert weights (its own 3-D [E, out, in] parameters) input-major. (A loader or a LoRA
+    merge may hand back either.) An input-sparse LM head's own weight is left to the caller, who knows
+    whether it is tied (`InputSparseHead.column_major_`)."""
     row_major = getattr(module, "row_major_children", ())
     for name, child in module.named_children():
         if type(child) is Int8Linear:  # int8 codes: always the transposed (in × out) row-major layout
@@ -57,6 +59,15 @@ def restore_layouts(module: nn.Module) -> None:
                 w.data = w.data.contiguous()
         elif not w.t().is_contiguous():
             w.data = w.data.t().contiguous().t()
+    _input_major_stacks(module)
+
+
+def _input_major_stacks(module: nn.Module) -> None:
+    """`module`'s own 3-D parameters (InputSparseExperts' gate_up_proj / down_proj, [E, out, in]) stored as
+    contiguous [E, in, out]: the expert-indexed masked GEMV skips one contiguous row per inactive input."""
+    for p in module._parameters.values():
+        if p is not None and p.dim() == 3 and p.device.type != "meta" and not p.transpose(1, 2).is_contiguous():
+            p.data = p.data.transpose(1, 2).contiguous().transpose(1, 2)
 
 
 def plain_linear(layer: nn.Module) -> bool:
