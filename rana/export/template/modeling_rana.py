@@ -34,7 +34,7 @@ from .int8 import Int8Linear
 from .neuron_linear import (InputSparseHead, InputSparseLinear, Int8InputSparseHead, NeuronThresholdLinear,
                             SparseLowRankLinear)
 from .rank_linear import RankAdapterLinear, RankSliceLinear, SharedRankCode
-from .registry import ADAPTER_KINDS, build_adapter, build_order, install_int8
+from .registry import ADAPTER_CLASSES, ADAPTER_KINDS, build_adapter, build_order, install_int8
 from .rotation import RotatedInput
 
 RANA_CONFIG = "config.json (rana_adapters)"  # named in install_empty_adapters' error message
@@ -59,8 +59,9 @@ def _from_quantizer_format(config):
     return config
 
 
-_ADAPTERS_WITH_LINEARS = (RankAdapterLinear, SharedRankCode, RankSliceLinear, NeuronThresholdLinear, InputSparseLinear,
-                          SparseLowRankLinear)
+# every registered adapter kind: restore_layouts puts each one's weights in its decode layouts (the stacked
+# experts input-major included), so a kind added to the registry needs no entry here
+_ADAPTERS_WITH_LINEARS = ADAPTER_CLASSES
 
 
 class RanaForCausalLM(_StockForCausalLM):
