@@ -4,14 +4,42 @@ from __future__ import annotations
 
 import gc
 import math
+from collections import Counter
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
 from ..modules import InputSparseLinear, NeuronThresholdLinear, RankAdapterLinear, RankSliceLinear
+from ..modules.registry import ADAPTER_CLASSES
 from .config import FinetuneError
 from .source import load_dense
+
+# The adapters SelfGuidance hooks: those with a dense twin of the same shape to blend with (a rank
+# adapter's original weight, a masked linear's own unmasked weight). The other registered kinds are not
+# hooked (an activation, a rotated norm, the head, stacked experts, a sparse + low-rank pair); a model
+# holding none of these kinds would train with no guidance at all, so `check_guided` refuses it.
+GUIDED_TYPES = (RankAdapterLinear, RankSliceLinear, NeuronThresholdLinear, InputSparseLinear)
+
+
+def guided_sites(model: nn.Module) -> list[str]:
+    """Names of the modules of `model` SelfGuidance hooks (every rank adapter has its dense weight:
+    `dense_weights` loads all of them or fails)."""
+    return [name for name, m in model.named_modules() if isinstance(m, GUIDED_TYPES)]
+
+
+def check_guided(model: nn.Module, source: str) -> None:
+    """FinetuneError, in one line, when `model` (the folder `source`) holds nothing SelfGuidance hooks."""
+    if guided_sites(model):
+        return
+    held = Counter(type(m).__name__ for m in model.modules() if isinstance(m, ADAPTER_CLASSES))
+    if not held:
+        raise FinetuneError(f"--self-guided-frac needs RaNA adapters (a rana folder); '{source}' has none")
+    holds = ", ".join(f"{n} ×{k}" for n, k in sorted(held.items()))
+    needs = ", ".join(c.__name__ for c in GUIDED_TYPES)
+    raise FinetuneError(
+        f"--self-guided-frac: '{source}' holds only adapters the self-guided start cannot blend with a dense "
+        f"path ({holds}); it needs at least one of {needs}; pass --self-guided-frac 0")
 
 
 class SelfGuidance:
@@ -34,7 +62,7 @@ class SelfGuidance:
             if isinstance(m, (RankAdapterLinear, RankSliceLinear)) and name in dense:
                 self.handles.append(m.register_forward_hook(self._rank_hook(name)))
                 self.sites += 1
-            elif isinstance(m, (NeuronThresholdLinear, InputSparseLinear)):
+            elif isinstance(m, (NeuronThresholdLinear, InputSparseLinear)):  # the rest of GUIDED_TYPES
                 self.handles.append(m.register_forward_hook(self._masked_hook))
                 self.sites += 1
 

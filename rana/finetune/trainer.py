@@ -28,9 +28,9 @@ from ..modules.laurel import laurel_parameters
 from .checkpoints import CheckpointFolder
 from .config import FinetuneConfig, FinetuneError, NonFiniteLossError
 from .data import OrderedBlocks
-from .guidance import SelfGuidance, dense_weights
+from .guidance import SelfGuidance, check_guided, dense_weights
 from .source import Source, dense_reference, load_source
-from .targets import ADAPTER_TYPES, Trainables, make_trainable, merge_trained, sync_neuron_norms, unique_parameters
+from .targets import Trainables, make_trainable, merge_trained, sync_neuron_norms, unique_parameters
 
 LossFn = Callable[[nn.Module, torch.Tensor], torch.Tensor]
 
@@ -193,8 +193,9 @@ class Trainer:
         if start_step >= phase:
             return None
         base = model.get_base_model() if hasattr(model, "get_base_model") else model
-        if not any(isinstance(m, ADAPTER_TYPES) for m in base.modules()):
-            raise FinetuneError("--self-guided-frac needs RaNA adapters (a rana folder); this model has none")
+        # before the dense model is looked for or loaded, and before any step: a folder whose adapters
+        # self-guidance does not hook would otherwise train unguided without a word
+        check_guided(base, self.source.path)
         if self._dense is None:
             ref = dense_reference(self.source, cfg)
             if ref is None:
