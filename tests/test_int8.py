@@ -19,8 +19,9 @@ from helpers import exported_logits, tiny_calibration, tiny_compress_config, tin
 from rana.cli.app import app
 from rana.compress import CompressConfig, compress_model
 from rana.export import export
+from rana.kernels.masked_gemv import masked_gemv_int8_dense, masked_gemv_int8_torch
 from rana.math.quantize import dequantize_int8, quantize_int8, relative_output_error, row_errors
-from rana.modules.int8 import Int8Linear, masked_int8_torch
+from rana.modules.int8 import Int8Linear
 from rana.modules.neuron_linear import Int8InputSparseHead
 from rana.quantize import QuantizeError, quantize_model
 
@@ -115,8 +116,11 @@ def test_int8_linear_matches_the_dequantized_linear(dtype):
         torch.testing.assert_close(m(one).float(), m(x)[:1, :1].float(), rtol=tol, atol=tol * 4)
 
 
+@pytest.mark.parametrize("fn", [masked_gemv_int8_torch, masked_gemv_int8_dense])
 @pytest.mark.parametrize("mode", ["none", "square", "abs_scaled", "abs"])
-def test_masked_int8_torch_matches_a_float64_reference(mode):
+def test_masked_int8_gemv_matches_a_float64_reference(fn, mode):
+    # one token through the CPU one-token path (native kernel, else the gathered rows) and through the
+    # dense dequantized path; the reference is written out here, not taken from the kernels
     g = torch.Generator().manual_seed(5)
     q = torch.randint(-127, 128, (40, 24), generator=g, dtype=torch.int16).to(torch.int8)
     qscale, bias, scale = torch.rand(24, generator=g), torch.randn(24, generator=g), torch.rand(40, generator=g)
@@ -124,15 +128,17 @@ def test_masked_int8_torch_matches_a_float64_reference(mode):
     t = torch.tensor(0.5)
     score = {"none": None, "square": v * v, "abs_scaled": v.abs() * scale, "abs": v.abs()}[mode]
     keep = torch.ones_like(v) if score is None else (score >= t).float()
+    assert 0 < keep.sum() < keep.numel() or mode == "none"  # a partial mask: the comparison is exercised
     want = ((v * keep).double() @ q.double()) * qscale.double() + bias.double()
-    got = masked_int8_torch(q, qscale, v, t, mode, scale, bias)
+    got = fn(q, qscale, v, t, mode=mode, scale=scale, bias=bias)
+    assert got.shape == (1, 24) and got.dtype == v.dtype  # v's leading dims and dtype
     torch.testing.assert_close(got.double(), want, rtol=1e-4, atol=1e-4)  # fp32 accumulation
     for threshold in (torch.tensor(-float("inf")), torch.tensor(float("inf"))):  # full and empty masks
         if mode == "none":
             continue
         keep = torch.full_like(v, float(threshold < 0))
         want = ((v * keep).double() @ q.double()) * qscale.double() + bias.double()
-        torch.testing.assert_close(masked_int8_torch(q, qscale, v, threshold, mode, scale, bias).double(), want,
+        torch.testing.assert_close(fn(q, qscale, v, threshold, mode=mode, scale=scale, bias=bias).double(), want,
                                    rtol=1e-4, atol=1e-4)
 
 

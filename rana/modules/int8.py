@@ -27,34 +27,6 @@ from ..kernels.ops import DEFAULT_SPARSITY_BIN, decode_masked_int8, decode_maske
 INT8_MODES = ("none", "square", "abs_scaled", "abs")
 
 
-def masked_int8_torch(q_t: torch.Tensor, qscale: torch.Tensor, v: torch.Tensor, threshold: torch.Tensor | None,
-                      mode: str, scale: torch.Tensor | None = None, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """`qscale ⊙ ((m ⊙ v) @ q_t) + bias` in torch: masks as the kernels' (scores and comparisons in fp32),
-    fp32 accumulation, the result in v's dtype, shape v.shape[:-1] + (N,). One token reads only the kept
-    int8 rows (gathered); several tokens dequantize `q_t` for the call."""
-    if mode not in INT8_MODES:
-        raise ValueError(f"mode must be one of {INT8_MODES}, got {mode!r}")
-    K, N = q_t.shape
-    x = v.reshape(-1, K).float()
-    if mode != "none" and threshold is not None:
-        if mode == "square":
-            score = x * x
-        elif mode == "abs_scaled":
-            score = x.abs() * scale.float()
-        else:
-            score = x.abs()
-        x = x * (score >= threshold.float())
-    if x.shape[0] == 1 and mode != "none":
-        idx = x[0].nonzero().squeeze(1)
-        y = (x[0, idx] @ q_t.index_select(0, idx).float()).unsqueeze(0)
-    else:
-        y = x @ q_t.float()
-    y = y * qscale.float()
-    if bias is not None:
-        y = y + bias.float()
-    return y.to(v.dtype).reshape(*v.shape[:-1], N)
-
-
 def decode_int8(q_t: torch.Tensor, qscale: torch.Tensor, v: torch.Tensor, threshold: torch.Tensor | None, mode: str,
                 scale: torch.Tensor | None = None, bias: torch.Tensor | None = None,
                 sparsity_bin: int = DEFAULT_SPARSITY_BIN) -> torch.Tensor:
@@ -139,4 +111,4 @@ def is_int8(layer: nn.Module) -> bool:
     return type(layer) is Int8Linear
 
 
-__all__ = ["Int8Linear", "INT8_MODES", "decode_int8", "decode_int8_grouped", "is_int8", "masked_int8_torch"]
+__all__ = ["Int8Linear", "INT8_MODES", "decode_int8", "decode_int8_grouped", "is_int8"]
