@@ -86,6 +86,7 @@ def write_results(args, rows: list[dict], load_avg: float, slug: str) -> None:
             "extra_args": args.extra}
     RESULTS.mkdir(parents=True, exist_ok=True)
     stem = RESULTS / f"compress_{slug}{args.tag}"
+    rows = sorted(rows, key=lambda r: (r["method"] != "dense", r["method"], -r["target"]))
     stem.with_suffix(".json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=2))
     lines = ["| method | target F | measured F | wall (s) | CPU (s) | peak RSS (GB) | ppl pydoc_heldout "
              "| ppl shakespeare | decode time / dense |", "|---|---|---|---|---|---|---|---|---|"]
@@ -96,6 +97,15 @@ def write_results(args, rows: list[dict], load_avg: float, slug: str) -> None:
                      f"{r['ppl_pydoc_heldout']:.2f} | {r['ppl_shakespeare']:.2f} | "
                      f"{r.get('decode_latency_ratio', float('nan')):.3f} |")
     stem.with_suffix(".md").write_text("\n".join(lines) + "\n\n" + "\n".join(f"- {k}: {v}" for k, v in meta.items()) + "\n")
+
+
+def previous_rows(path: Path, args) -> list[dict]:
+    """Rows of an earlier run of the same table, when it measured the same model on the same tokens."""
+    if not path.exists():
+        return []
+    earlier = json.loads(path.read_text())
+    same_eval = earlier["meta"].get("eval", "").startswith(f"first {args.eval_tokens} tokens")
+    return earlier["rows"] if same_eval else []
 
 
 def main() -> None:
@@ -121,21 +131,33 @@ def main() -> None:
     from rana.io.models import load_model
 
     work = Path(args.work or tempfile.mkdtemp(prefix="rana-bench-"))
+    slug = "smollm2" if args.model == "smollm2-135m" else Path(args.model).name.replace(".", "p").lower()
+    # --reuse also keeps the rows already in this table (same model, same eval tokens): perplexity is
+    # deterministic, so a later run on a quiet machine only has to time decoding again
+    kept = previous_rows(RESULTS / f"compress_{slug}{args.tag}.json", args) if args.reuse else []
     dense, tok, _ = load_model(args.model)
     texts = {name: tokenize_stream(load_texts(str(DATA / f"{name}.txt")), tok)[: args.eval_tokens]
              for name in ("pydoc_heldout", "shakespeare")}
-    rows = [{"method": "dense", "target": 1.0, "measured_flops": 1.0,
-             **{f"ppl_{k}": perplexity(dense, v, progress=False)["ppl"] for k, v in texts.items()}}]
+    dense_row = next((r for r in kept if r["method"] == "dense"), None)
+    rows = [dense_row or {"method": "dense", "target": 1.0, "measured_flops": 1.0,
+                          **{f"ppl_{k}": perplexity(dense, v, progress=False)["ppl"] for k, v in texts.items()}}]
     del dense  # a 1.5B model twice (dense + the compress child) would not fit 24 GB; reloaded for latency
     load_avg = os.getloadavg()[0]
-    slug = "smollm2" if args.model == "smollm2-135m" else Path(args.model).name.replace(".", "p").lower()
-    for f in [float(x) for x in args.flops.split(",")]:
+    flops = [float(x) for x in args.flops.split(",")]
+    rows += [r for r in kept if r["method"] != "dense" and (r["method"], r["target"]) not in
+             {(args.method, f) for f in flops}]
+    for f in flops:
         out = work / f"{slug}_{args.method}_{int(f * 100)}"
         cost = run_compress(args.model, f, args.method, out, args.extra, args.reuse)
         plan = json.loads((out / "plan.json").read_text())
         model, _ = load(out)
-        with torch.no_grad():
-            ppl = {f"ppl_{k}": perplexity(model, v, progress=False)["ppl"] for k, v in texts.items()}
+        old = next((r for r in kept if (r["method"], r["target"]) == (args.method, f)
+                    and r.get("measured_flops") == plan["measured_flops"]), None)
+        if old is not None:
+            ppl = {k: v for k, v in old.items() if k.startswith("ppl_")}
+        else:
+            with torch.no_grad():
+                ppl = {f"ppl_{k}": perplexity(model, v, progress=False)["ppl"] for k, v in texts.items()}
         speed = {}
         if args.latency:
             dense = load_model(args.model)[0]

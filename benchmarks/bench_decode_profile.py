@@ -41,8 +41,9 @@ PROMPT = "def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number.\"\"\"\n
 
 
 # ------------------------------------------------------------------------------------ decoding
-def decode_loop(model, ids: torch.Tensor, tokens: int) -> tuple[float, list[int]]:
-    """(seconds of the `tokens` decode steps after the prefill, the greedy tokens)."""
+def decode_loop(model, ids: torch.Tensor, tokens: int, after_prefill=None) -> tuple[float, list[int]]:
+    """(seconds of the `tokens` decode steps after the prefill, the greedy tokens). `after_prefill()` runs
+    between the prefill and the timed steps (the probe forgets the prefill's time there)."""
     from transformers import DynamicCache
 
     cache = DynamicCache()
@@ -50,6 +51,8 @@ def decode_loop(model, ids: torch.Tensor, tokens: int) -> tuple[float, list[int]
         out = model(input_ids=ids, past_key_values=cache, use_cache=True, logits_to_keep=1)
         tok = out.logits[:, -1].argmax(-1, keepdim=True)
         generated = [int(tok)]
+        if after_prefill is not None:
+            after_prefill()
         t0 = time.perf_counter()
         for _ in range(tokens):
             out = model(input_ids=tok, past_key_values=cache, use_cache=True, logits_to_keep=1)
@@ -155,6 +158,58 @@ class Probe:
 _MISSING, _INSTANCE = object(), object()
 
 
+# ------------------------------------------------------------------------------------ floors
+class Floor:
+    """A decode step with part of the work taken away, to see what the rest costs:
+
+    - "kernels as no-ops": every native C call (fp32 and int8 masked GEMV) returns at once after zeroing its
+      output (ctypes.memset, ~0.5 µs), as if nothing were active; the Python around the calls, the ctypes
+      call itself and everything outside the adapters still run. step − this = the kernels' own time.
+    - "adapters and head return zeros": every adapter, Int8Linear and the LM head return a zero tensor of
+      their output shape; what is left is transformers' own step (attention, norms, rotary, the cache, its
+      Python): the floor no kernel can remove in the eager `generate` harness.
+    Outputs are zeros, so tokens are meaningless; the step's shapes (and so its work) are not.
+    """
+
+    def __init__(self, kind: str):
+        self.kind, self.undo = kind, []
+
+    def install(self, model) -> None:
+        import ctypes
+
+        from rana.kernels import cpu_gemv
+        from rana.modules import MacMeter, RankSliceLinear
+        from rana.modules.int8 import Int8Linear
+
+        if self.kind == "kernels":
+            fn, status = cpu_gemv._load()
+            memset = ctypes.memset
+
+            def fp32(w, x, K, N, ldw, t, mode, scale, bias, y, limit, xm, threads):
+                memset(y, 0, N * 4)
+                return 0
+
+            def int8(w, qscale, x, K, N, ldw, t, mode, scale, bias, y, idx, threads):
+                memset(y, 0, N * 4)
+                return 0
+            if fn is not None:
+                self._patch(cpu_gemv, "_load", lambda: (fp32, status))
+                self._patch(cpu_gemv, "native_kernel_int8", lambda: int8)
+            return
+        head = model.get_output_embeddings()
+        for m in model.modules():
+            if isinstance(m, (MacMeter, RankSliceLinear, Int8Linear)) or m is head:
+                n = m.out_features if hasattr(m, "out_features") else m.weight.shape[0]
+                m.forward = (lambda n: lambda x, *args, **kw: x.new_zeros(*x.shape[:-1], n))(n)
+                self.undo.append((m, "forward", _INSTANCE))
+
+    def _patch(self, owner, name, value):
+        self.undo.append((owner, name, owner.__dict__.get(name, _MISSING)))
+        setattr(owner, name, value)
+
+    remove = Probe.remove
+
+
 def op_counts(model, ids, tokens: int = 4) -> tuple[float, list[tuple[str, int]]]:
     """(aten ops per decode token, the most frequent ones per token)."""
     from torch.profiler import ProfilerActivity, profile
@@ -200,6 +255,10 @@ def main(argv=None) -> int:
     p.add_argument("--tokens", type=int, default=32)
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--no-counts", action="store_true", help="skip the op / call counts")
+    p.add_argument("--floors", action="store_true",
+                   help="also time each folder's step with the native kernels as no-ops and with every adapter "
+                        "and the head returning zeros (what the kernels, rana's Python and transformers' own step "
+                        "cost; interleaved with the plain rounds)")
     a = p.parse_args(argv)
     torch.set_num_threads(a.threads)
 
@@ -234,17 +293,25 @@ def main(argv=None) -> int:
         decode_loop(m, ids, 4)
     plain = {n: [] for n in models}
     probes = {n: [] for n in models}
+    floors = {(n, kind): [] for n in models if n != "dense" for kind in ("kernels", "zeros")} if a.floors else {}
     tokens_out = {}
     for _ in range(a.rounds):
         for name, m in models.items():
             seconds, toks = decode_loop(m, ids, a.tokens)
             plain[name].append(seconds / a.tokens)
             tokens_out[name] = toks
+        for (name, kind), times in floors.items():
+            floor = Floor(kind)
+            floor.install(models[name])
+            try:
+                times.append(decode_loop(models[name], ids, a.tokens)[0] / a.tokens)
+            finally:
+                floor.remove()
         for name, m in models.items():
             probe = Probe()
             probe.install(m)
             try:
-                seconds, _ = decode_loop(m, ids, a.tokens)
+                seconds, _ = decode_loop(m, ids, a.tokens, after_prefill=probe.acc.clear)
             finally:
                 probe.remove()
             probes[name].append(probe.breakdown(int(seconds * 1e9), a.tokens))
@@ -257,6 +324,20 @@ def main(argv=None) -> int:
         s = statistics.median(plain[name])
         same = sum(x == y for x, y in zip(tokens_out[name], tokens_out["dense"]))
         print(f"| {name} | {s * 1e3:.2f} | {s / dense_s:.3f} | {same}/{len(tokens_out['dense'])} |")
+
+    if floors:
+        print("\n## floors: ms per token with work taken away (median over rounds; see Floor)\n")
+        print("| model | step | kernels as no-ops | adapters and head return zeros | kernels' own time | "
+              "rana Python + ctypes | transformers' step |")
+        print("|---|---|---|---|---|---|---|")
+        for name in models:
+            if name == "dense":
+                continue
+            step = statistics.median(plain[name])
+            no_kernels = statistics.median(floors[(name, "kernels")])
+            zeros = statistics.median(floors[(name, "zeros")])
+            cells = [step, no_kernels, zeros, step - no_kernels, no_kernels - zeros, zeros]
+            print(f"| {name} | " + " | ".join(f"{c * 1e3:.2f}" for c in cells) + " |")
 
     print("\n## instrumented: µs per token by component (median over rounds)\n")
     keys = list(probes["dense"][0])

@@ -372,6 +372,9 @@ def parse_args(argv=None):
     ap.add_argument("--no-latency", action="store_true", help="perplexity and sizes only")
     ap.add_argument("--work", default=None, help="folder for the compressed models (default: a temp dir)")
     ap.add_argument("--reuse", action="store_true", help="reuse complete folders already in --work")
+    ap.add_argument("--quality-from", default=None,
+                    help="an earlier run's JSON (same model and eval tokens): its perplexities are kept for the "
+                         "variants whose measured F it shares, so a rerun on a quiet machine only times decoding")
     ap.add_argument("--out", default=None, help=f"output stem (default {DEFAULT_STEM.relative_to(ROOT)}; "
                                                 "with --smoke a temp folder)")
     ap.add_argument("--smoke", action="store_true",
@@ -393,6 +396,19 @@ def parse_args(argv=None):
     a.threads_list = [int(x) for x in a.threads.split(",")]
     a.slug = "smollm2" if a.model == "smollm2-135m" else Path(a.model).name.replace(".", "p").lower()
     return a
+
+
+def earlier_quality(a) -> dict[str, dict]:
+    """--quality-from: the perplexity rows of an earlier run by variant, when it measured the same model on
+    the same held-out tokens (else nothing is kept)."""
+    if not a.quality_from:
+        return {}
+    earlier = json.loads(Path(a.quality_from).read_text())
+    same = (earlier["meta"].get("eval", "").startswith(f"first {a.eval_tokens} tokens")
+            and earlier["meta"].get("model", "").startswith(a.model))
+    if not same:
+        raise SystemExit(f"--quality-from {a.quality_from}: another model or eval length; nothing to keep")
+    return {r["variant"]: r for r in earlier["perplexity"]}
 
 
 def main(argv=None) -> None:
@@ -428,7 +444,7 @@ def main(argv=None) -> None:
             "calibration": f"{CALIB}, {a.calib_tokens or 'rana default'} tokens, seq {a.seq_len or 'rana default'}",
             "eval": f"first {a.eval_tokens} tokens of each of {', '.join(t + '.txt' for t in TEXTS)}, non-overlapping "
                     "512-token windows (rana protocol)",
-            "int8_via": a.int8_via, "work": str(work),
+            "int8_via": a.int8_via, "work": str(work), "quality_from": a.quality_from,
             "command": "python " + shlex.join([os.path.relpath(sys.argv[0], ROOT)] + sys.argv[1:])}
 
     say(f"loading {a.model}")
@@ -436,13 +452,20 @@ def main(argv=None) -> None:
     dense.eval()
     texts = {t: tokenize_stream(load_texts(str(text_file(f"{t}.txt"))), tok)[: a.eval_tokens] for t in TEXTS}
 
-    def ppl(model) -> dict:
+    known = earlier_quality(a)
+
+    def ppl(model, name: str | None = None, measured: float | None = 1.0) -> dict:
+        """Perplexity on the held-out texts; an earlier run's figures where it measured the same variant
+        (perplexity is deterministic: prefill never takes the decode kernels)."""
+        old = known.get(name)
+        if old is not None and old.get("measured_flops") == measured:
+            return {k: v for k, v in old.items() if k.startswith("ppl_")}
         with torch.no_grad():
             return {f"ppl_{t}": perplexity(model, v, progress=False)["ppl"] for t, v in texts.items()}
 
     perp, sizes = [], []
     say("perplexity: dense fp32")
-    perp.append({"variant": DENSE_FP32, "flops": 1.0, "measured_flops": 1.0, **ppl(dense)})
+    perp.append({"variant": DENSE_FP32, "flops": 1.0, "measured_flops": 1.0, **ppl(dense, DENSE_FP32)})
     sizes.append({"variant": DENSE_FP32, "bytes": param_bytes(dense), "what": "fp32 parameters (tied head once)"})
 
     # int8 dense through rana's own int8 path (no sparsity), calibrated like `rana quantize`
@@ -465,7 +488,7 @@ def main(argv=None) -> None:
                      "its tensors' bytes")
         sizes.append({"variant": RANA_INT8_DENSE, "bytes": param_bytes(rana_int8), "what": "tensor bytes"})
     say("perplexity: dense int8 (rana)")
-    perp.append({"variant": RANA_INT8_DENSE, "flops": 1.0, "measured_flops": 1.0, **ppl(rana_int8)})
+    perp.append({"variant": RANA_INT8_DENSE, "flops": 1.0, "measured_flops": 1.0, **ppl(rana_int8, RANA_INT8_DENSE)})
 
     # int8 dense through torch's own int8 linear: the timing baseline
     from torch.ao.quantization import quantize_dynamic
@@ -473,7 +496,7 @@ def main(argv=None) -> None:
 
     torch_int8 = quantize_dynamic(copy.deepcopy(dense), {nn.Linear: per_channel_dynamic_qconfig}, dtype=torch.qint8)
     say("perplexity: dense int8 (torch dynamic)")
-    perp.append({"variant": TORCH_INT8, "flops": 1.0, "measured_flops": 1.0, **ppl(torch_int8)})
+    perp.append({"variant": TORCH_INT8, "flops": 1.0, "measured_flops": 1.0, **ppl(torch_int8, TORCH_INT8)})
 
     models = {DENSE_FP32: dense, TORCH_INT8: torch_int8, RANA_INT8_DENSE: rana_int8}
     costs = {}
@@ -485,7 +508,8 @@ def main(argv=None) -> None:
             model, _ = load(folder)
             model.eval()
             say(f"perplexity: {name}")
-            row = {"variant": name, "flops": f, "measured_flops": plan.get("measured_flops"), **ppl(model)}
+            row = {"variant": name, "flops": f, "measured_flops": plan.get("measured_flops"),
+                   **ppl(model, name, plan.get("measured_flops"))}
             refit = (plan.get("quantization") or {}).get("refit") or {}
             shifts = [abs(r["fraction_after"] - r["fraction_before"]) for r in refit.values()
                       if r.get("fraction_after") is not None]
