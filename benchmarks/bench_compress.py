@@ -147,7 +147,7 @@ def main() -> None:
     rows += [r for r in kept if r["method"] != "dense" and (r["method"], r["target"]) not in
              {(args.method, f) for f in flops}]
     for f in flops:
-        out = work / f"{slug}_{args.method}_{int(f * 100)}"
+        out = work / f"{slug}_{args.method}_{round(f * 100)}"
         cost = run_compress(args.model, f, args.method, out, args.extra, args.reuse)
         plan = json.loads((out / "plan.json").read_text())
         model, _ = load(out)
