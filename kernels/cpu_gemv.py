@@ -52,7 +52,7 @@ import torch
 
 __all__ = ["expert_masked_gemv_native", "native_kernel", "native_status", "masked_gemv_native", "masked_linear_native", "native_limit", "MODE_IDS",
            "native_kernel_int8", "masked_linear_native_int8", "masked_gemv_native_int8", "dense_streak",
-           "reset_dense_streaks", "library_name", "BUILD_ATTEMPTS", "DENSE_STREAK"]
+           "reset_dense_streaks", "library_name", "build_variant", "BUILD_ATTEMPTS", "DENSE_STREAK"]
 
 MODE_IDS = {"none": 0, "square": 1, "abs_scaled": 2, "abs": 3}
 _ABS_SCALED, _ABS = MODE_IDS["abs_scaled"], MODE_IDS["abs"]
@@ -401,6 +401,12 @@ def _build(compiler: str, flags: tuple[str, ...], folder: Path, name: str) -> Pa
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     return tmp / name
+
+
+def build_variant(compiler: str, flags: tuple[str, ...], folder: Path) -> Path:
+    """Compile this file's C source with `flags` into `folder` (never the cache) and return the library's path:
+    for checking the source's alternative inner loops (e.g. a build without AVX-512) on this machine."""
+    return _build(compiler, flags, Path(folder), "rana_cpu_gemv_variant.so")
 
 
 def library_name(compiler: str, flags: tuple[str, ...]) -> str:

@@ -171,7 +171,7 @@ def test_every_int8_inner_loop_matches_float64(native, tmp_path, target, lanes):
     if compiler is None:
         pytest.skip("no C compiler")
     flags = (*cg.BUILD_FLAGS[:2], *target, *cg.BUILD_FLAGS[2:])
-    lib = ctypes.CDLL(str(cg._build(compiler, flags, tmp_path, "variant.so")))
+    lib = ctypes.CDLL(str(cg.build_variant(compiler, flags, tmp_path)))
     assert lib.rana_i8_lanes() in lanes
     fn = lib.rana_masked_gemv_i8
     p, i64 = ctypes.c_void_p, ctypes.c_int64
