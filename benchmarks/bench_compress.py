@@ -46,7 +46,7 @@ def run_compress(model: str, flops: float, method: str, out: Path, extra: list[s
     """Compress into `out` in a child process; its costs are kept beside the folder so --reuse can time
     decoding later (on a quiet machine) without compressing again."""
     record = out.with_name(out.name + ".cost.json")
-    if reuse and record.exists() and (out / "plan.json").exists():
+    if reuse and reusable(out):
         return json.loads(record.read_text())
     before = resource.getrusage(resource.RUSAGE_CHILDREN)
     load_start = os.getloadavg()[0]
@@ -64,6 +64,11 @@ def run_compress(model: str, flops: float, method: str, out: Path, extra: list[s
             "peak_rss_gb": peak_kb / 1e6, "load_avg_start": load_start, "load_avg_end": os.getloadavg()[0]}
     record.write_text(json.dumps(cost))
     return cost
+
+
+def reusable(out: Path) -> bool:
+    """A finished compression with its recorded costs: --reuse times it again without compressing."""
+    return out.with_name(out.name + ".cost.json").exists() and (out / "plan.json").exists()
 
 
 def _latency(model, dense, tok, new_tokens: int) -> dict:
@@ -146,8 +151,11 @@ def main() -> None:
     flops = [float(x) for x in args.flops.split(",")]
     rows += [r for r in kept if r["method"] != "dense" and (r["method"], r["target"]) not in
              {(args.method, f) for f in flops}]
+    dense = None  # the latency reference, kept across rows that compress nothing (reused folders)
     for f in flops:
         out = work / f"{slug}_{args.method}_{round(f * 100)}"
+        if not (args.reuse and reusable(out)):
+            dense = None  # a 1.5B model twice (dense + the compress child) would not fit 24 GB
         cost = run_compress(args.model, f, args.method, out, args.extra, args.reuse)
         plan = json.loads((out / "plan.json").read_text())
         model, _ = load(out)
@@ -160,10 +168,9 @@ def main() -> None:
                 ppl = {f"ppl_{k}": perplexity(model, v, progress=False)["ppl"] for k, v in texts.items()}
         speed = {}
         if args.latency:
-            dense = load_model(args.model)[0]
+            dense = dense if dense is not None else load_model(args.model)[0]
             speed = _latency(model, dense, tok, args.latency_tokens)
             speed["latency_load_avg"] = os.getloadavg()[0]
-            del dense
         rows.append({"method": args.method, "target": f, "measured_flops": plan["measured_flops"], **cost,
                      "compress_s_in_process": plan["wall_time_s"], **ppl, **speed})
         print(rows[-1], flush=True)
