@@ -101,7 +101,9 @@ def write_results(args, rows: list[dict], load_avg: float, slug: str) -> None:
                      f"{r.get('peak_rss_gb', float('nan')):.2f} | "
                      f"{r['ppl_pydoc_heldout']:.2f} | {r['ppl_shakespeare']:.2f} | "
                      f"{r.get('decode_latency_ratio', float('nan')):.3f} |")
-    stem.with_suffix(".md").write_text("\n".join(lines) + "\n\n" + "\n".join(f"- {k}: {v}" for k, v in meta.items()) + "\n")
+    notes = [f"- {r['method']} F = {r['target']:.2f}: {r['note']}" for r in rows if r.get("note")]  # added by hand
+    stem.with_suffix(".md").write_text("\n".join(lines) + "\n\n" + "\n".join(f"- {k}: {v}" for k, v in meta.items())
+                                      + "\n" + "".join(n + "\n" for n in notes))
 
 
 def previous_rows(path: Path, args) -> list[dict]:
