@@ -9,7 +9,6 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from rana.compress import CompressConfig, compress_model
 from rana.finetune import FinetuneConfig, FinetuneError, Trainer, finetune
 from rana.finetune.checkpoints import CheckpointFolder
 from rana.finetune.data import prepare_blocks
@@ -19,20 +18,13 @@ from rana.io import load, save
 from rana.modules import (CatsActivation, InputSparseLinear, NeuronThresholdLinear, RankAdapterLinear,
                           RankSliceLinear)
 
+from test_finetune import SMALL, _compress  # the tiny Llama and its compression, shared
+
 pytestmark = pytest.mark.usefixtures("one_thread")  # tiny models: one thread is fastest
 
-SMALL = dict(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-             num_key_value_heads=2, max_position_embeddings=256)
 # what the self-guided start blends with a dense path, written out here (not taken from
 # rana.finetune.guidance) so that a kind it stops hooking shows
 HOOKED = (RankAdapterLinear, RankSliceLinear, NeuronThresholdLinear, InputSparseLinear)
-
-
-def _compress(model, method: str):
-    ids = torch.randint(0, 128, (20, 32), generator=torch.Generator().manual_seed(1))
-    cfg = CompressConfig(model="x", method=method, flops=0.7, calib_tokens=512, seq_len=32, batch_size=4,
-                         search_tokens=128, fit_sample_tokens=256)
-    return compress_model(model, None, cfg, SimpleNamespace(fit=ids[:16], heldout=ids[16:]))
 
 
 @pytest.fixture(scope="module")
