@@ -9,11 +9,12 @@ import tempfile
 from pathlib import Path
 
 from .io.models import ModelLoadError, resolve
+from .errors import UserError
 
 _POSITION_KEYS = ("max_position_embeddings", "n_positions", "max_sequence_length", "seq_length")
 
 
-class InputError(ValueError):
+class InputError(UserError):
     """An option or path that cannot work (user-facing; the message says what to do)."""
 
 

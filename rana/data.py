@@ -21,6 +21,8 @@ from pathlib import Path
 
 import torch
 
+from .errors import UserError
+
 BUNDLED_CORPUS = Path(__file__).parent / "assets" / "pydoc_sample.txt"
 # held-out text for demos and checks: other Python-docs pages (the tutorial), never calibrated on
 BUNDLED_HELDOUT = Path(__file__).parent / "assets" / "pydoc_heldout_sample.txt"
@@ -35,7 +37,7 @@ _BUILDERS: dict[str, str] = {
 }
 
 
-class DataError(ValueError):
+class DataError(UserError):
     """A data source is missing, malformed or too small; the message says how to fix it."""
 
 

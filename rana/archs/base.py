@@ -15,6 +15,8 @@ from dataclasses import dataclass, field, replace
 
 import torch.nn as nn
 
+from ..errors import UserError
+
 BLOCKS = ("attention", "mlp")
 ROLES = ("qkv_in", "o", "mlp_in", "down")
 
@@ -153,7 +155,7 @@ class ArchSpec:
 _REGISTRY: dict[str, ArchSpec] = {}
 
 
-class UnsupportedArchitectureError(ValueError):
+class UnsupportedArchitectureError(UserError):
     """Raised for a model_type with no registry entry."""
 
 

@@ -16,9 +16,10 @@ import torch.nn as nn
 from . import distributed, placement
 from ..archs import ArchSpec, stubbed_decoder_layers
 from ..methods.base import InputStats
+from ..errors import UserError
 
 
-class CalibrationError(ValueError):
+class CalibrationError(UserError):
     """Bad calibration data or activations (user-facing)."""
 
 

@@ -20,9 +20,10 @@ from ..accounting import layer_dims
 from ..archs import get_arch
 from ..methods import get_method
 from ..units import dtype_bytes, fmt_bytes, parse_memory
+from ..errors import UserError
 
 
-class MemoryBudgetError(ValueError):
+class MemoryBudgetError(UserError):
     """--max-memory is too small for one layer of this model (user-facing)."""
 
 

@@ -26,9 +26,10 @@ from .placement import as_module_input
 from .profile import profile_and_allocate
 from .residency import Residency
 from .streaming import LazyWeights, load_for_compression
+from ..errors import UserError
 
 
-class BudgetError(ValueError):
+class BudgetError(UserError):
     """A FLOP target the method cannot reach on this model (user-facing)."""
 
 

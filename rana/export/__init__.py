@@ -5,7 +5,8 @@
     template/  configuration_rana.py and modeling_rana.py, the remote-code entry points
 """
 from .render import SHIPPED_MODULES, ExportError, check_sources, module_source, render_sources, rewrite_imports
-from .run import export, export_state_dict, exported_config, write_weights
+from .config import ExportConfig
+from .run import export, export_folder, export_state_dict, exported_config, write_weights
 
-__all__ = ["export", "export_state_dict", "exported_config", "write_weights", "render_sources", "check_sources",
+__all__ = ["ExportConfig", "export_folder", "export", "export_state_dict", "exported_config", "write_weights", "render_sources", "check_sources",
            "module_source", "rewrite_imports", "ExportError", "SHIPPED_MODULES"]

@@ -47,6 +47,7 @@ SHIPPED_MODULES: dict[str, str] = {
     "rana.modules.registry": "registry",  # the adapter kinds install_empty_adapters rebuilds
     "rana.modules.groups": "groups",
     "rana.modules.laurel": "laurel",
+    "rana.errors": "errors",  # UserError, which archspec.py (rana.archs.base) raises
 }
 ARCHSPEC_MODULE = "archspec"  # rendered from rana.archs.base + the model's ArchSpec
 _IMPORT_ALIASES = {"rana.archs": ARCHSPEC_MODULE, "rana.archs.base": ARCHSPEC_MODULE}
@@ -118,7 +119,7 @@ def rewrite_imports(module_name: str, source: str, targets: dict[str, str]) -> s
 
 def _render_archspec(spec) -> str:
     """rana.archs.base (the ArchSpec machinery) plus this model's spec, registered as SPEC."""
-    source = rewrite_imports(_archs_base.__name__, module_source(_archs_base.__name__), {})
+    source = rewrite_imports(_archs_base.__name__, module_source(_archs_base.__name__), SHIPPED_MODULES)
     fields = ", ".join(f"{f.name}={getattr(spec, f.name)!r}" for f in dataclasses.fields(spec))
     return (source.rstrip() + "\n\n\n# ---- rendered by `rana export`: the architecture of this model ----\n"
             f"SPEC = register(ArchSpec({fields}))\n")

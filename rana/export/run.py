@@ -64,9 +64,9 @@ from .. import io as rana_io
 from ..io.card import write_export_card
 from ..io.paths import check_output
 from ..quantizer import WEIGHTS_GUARD, quantization_config_dict
+from ..checks import check_writable_dir
+from .config import FORMATS, ExportConfig
 from .render import CONFIG_FILE, MODELING_FILE, render_sources
-
-FORMATS = ("quantizer", "remote-code")  # the first is the default
 
 # rana-folder files that describe the rana format itself, not the exported model
 _NOT_COPIED = {"config.json", "rana_config.json", "model.safetensors", "model.safetensors.index.json"}
@@ -175,6 +175,12 @@ def _rana_version() -> str | None:
         return None
 
 
+def export_folder(config: ExportConfig) -> Path:
+    """`rana export` as a library call: `export` with the settings of one `ExportConfig`."""
+    return export(config.src, config.out, overwrite=config.overwrite, max_shard_size=config.max_shard_size,
+                  format=config.format)
+
+
 def export(src_dir: str | Path, out_dir: str | Path, *, overwrite: bool = False,
            max_shard_size: int | str = "2GB", format: str = FORMATS[0]) -> Path:
     """Write the rana folder `src_dir` as a folder `out_dir` that plain transformers loads.
@@ -188,6 +194,7 @@ def export(src_dir: str | Path, out_dir: str | Path, *, overwrite: bool = False,
     when `out_dir` exists and `overwrite` is False.
     """
     src, out = Path(src_dir), Path(out_dir)
+    check_writable_dir(out, "--out")
     if format not in FORMATS:
         raise ValueError(f"unknown export format '{format}'; choose one of {', '.join(FORMATS)}")
     _check_out_name(out)

@@ -14,6 +14,7 @@ import torch.nn as nn
 
 from ..modules.laurel import LaurelConfig, parse_variant
 from ..units import parse_tokens
+from ..errors import UserError
 
 PRECISIONS = ("auto", "no", "bf16", "fp16")
 DEFAULT_LR = {"lora": 2e-4, "full": 2e-5, "laurel": 1e-3}
@@ -25,7 +26,7 @@ _UNHASHED = {"out", "checkpoint_dir", "resume", "overwrite", "save_every", "keep
              "eval_every", "eval_at_start", "gradient_checkpointing", "eval_batch_size"}
 
 
-class FinetuneError(ValueError):
+class FinetuneError(UserError):
     """A fine-tuning request that cannot run as given (user-facing; the message says what to do)."""
 
 

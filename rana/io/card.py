@@ -24,6 +24,7 @@ from typing import Any
 from .. import __version__
 from .aliases import ALIASES
 from .format import PLAN, RANA_CONFIG, CompressSettings
+from ..errors import UserError
 
 RECIPE = "recipe.json"
 CARD = "README.md"
@@ -37,7 +38,7 @@ _CLI_FIELDS = ("flops", "method", "allocation", "lm_head", "dataset", "dataset_c
                "calib_tokens", "seq_len", "batch_size", "dtype", "device", "grid_step", "seed", "max_memory", "offload_dir")
 
 
-class RecipeError(ValueError):
+class RecipeError(UserError):
     """A recipe file that cannot be read or names unknown settings (user-facing)."""
 
 

@@ -19,6 +19,7 @@ import torch.nn as nn
 
 from ..archs import set_submodule
 from ..modules.registry import ADAPTER_KINDS, adapter_class, build_adapter, build_order, install_int8, int8_paths
+from ..errors import UserError
 
 FORMAT_VERSION = 1
 WEIGHTS = "model.safetensors"
@@ -30,7 +31,7 @@ PLAN = "plan.json"
 WEIGHT_FORMATS = ("none", "int8")
 
 
-class ModelLoadError(ValueError):
+class ModelLoadError(UserError):
     """A model reference or folder that cannot be resolved or loaded (user-facing)."""
 
 

@@ -24,13 +24,14 @@ import shutil
 import socket
 from pathlib import Path
 from typing import Iterable
+from ..errors import UserError
 
 
-class UnsafeOutputError(ValueError):
+class UnsafeOutputError(UserError):
     """An output or work folder that would overwrite or overlap an input (user-facing)."""
 
 
-class OutputExistsError(ValueError):
+class OutputExistsError(UserError):
     """The output folder exists and --overwrite was not given (user-facing)."""
 
 

@@ -16,13 +16,14 @@ from typing import Any, Callable
 
 from ..modules.registry import ADAPTER_KINDS
 from .format import FORMAT_VERSION, WEIGHT_FORMATS, CompressSettings, threshold_from_json
+from ..errors import UserError
 
 Check = Callable[[Any, str], None]
 DTYPE_NAMES = ("float32", "bfloat16", "float16")
 _MISSING = object()
 
 
-class FieldError(ValueError):
+class FieldError(UserError):
     """A field of a folder's JSON file that is absent, of the wrong type or out of range."""
 
 

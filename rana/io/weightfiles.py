@@ -13,11 +13,12 @@ import struct
 from pathlib import Path
 
 from .format import WEIGHTS, WEIGHTS_INDEX
+from ..errors import UserError
 
 _MAX_HEADER = 100 * 2**20  # safetensors' own limit
 
 
-class WeightFileError(ValueError):
+class WeightFileError(UserError):
     """A checkpoint's weight files are unusable (user-facing)."""
 
 

@@ -51,12 +51,13 @@ from ..modules.neuron_linear import (InputSparseHead, InputSparseLinear, NeuronT
                                      SparseLowRankLinear)
 from ..modules.rank_linear import RankAdapterLinear, RankSliceLinear, SharedRankCode
 from ..modules.registry import int8_form, int8_paths
+from ..errors import UserError
 
 SCORE_ELEMENTS = 1 << 24  # scores kept per adapter while refitting its threshold (rows × mask width)
 DEFAULT_CALIB_TOKENS = 8192
 
 
-class QuantizeError(ValueError):
+class QuantizeError(UserError):
     """A model or folder that cannot be quantized (user-facing: one line)."""
 
 
