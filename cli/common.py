@@ -124,27 +124,3 @@ def setup_environment() -> None:
         hf_logging.set_verbosity_error()
     except Exception:  # pragma: no cover
         pass
-
-
-def check_inputs(*models: str, seq_len: int | None = None, out=None, json_out=None, data=(), data_option="--ppl-data",
-                 offload_dir=None, out_inside: bool = False) -> None:
-    """Everything a command can check before loading a model: the models exist, the window fits their
-    position table, data files are readable text, and the outputs can be written."""
-    from rana.checks import check_available, check_seq_len, check_writable_dir, check_writable_file
-    from rana.data import check_source
-    from rana.io import is_rana_dir
-
-    for ref in models:
-        if not is_rana_dir(ref):
-            check_available(ref)
-    for source in data:
-        check_source(source, data_option)
-    for ref in models:
-        if seq_len is not None:
-            check_seq_len(ref, seq_len)
-    if out is not None:
-        check_writable_dir(out, "--out", inside=out_inside)
-    if offload_dir is not None:
-        check_writable_dir(offload_dir, "--offload-dir")
-    if json_out is not None:
-        check_writable_file(json_out, "--json")

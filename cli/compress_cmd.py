@@ -10,7 +10,9 @@ from rich.table import Table
 from rana.compress import CompressConfig
 from rana.methods import names
 
-from .common import LazyProgress, check_inputs, console, friendly
+from rana.checks import check_inputs
+
+from .common import LazyProgress, console, friendly
 from .common import out as stdout
 
 

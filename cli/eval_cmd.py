@@ -11,7 +11,9 @@ from rich.table import Table
 from rana.evaluation import evaluate_models
 from rana.evaluation.perplexity import PPL_PRESET_HELP
 
-from .common import LazyProgress, check_inputs, console, friendly, print_wide
+from rana.checks import check_inputs
+
+from .common import LazyProgress, console, friendly, print_wide
 from .common import out as stdout
 
 

@@ -10,7 +10,9 @@ from rich.table import Table
 from rana.methods import names
 from rana.sweep import SweepConfig
 
-from .common import LazyProgress, check_inputs, console, fail, friendly, print_wide
+from rana.checks import check_inputs
+
+from .common import LazyProgress, console, fail, friendly, print_wide
 from .common import out as stdout
 
 

@@ -8,6 +8,8 @@ import os
 import tempfile
 from pathlib import Path
 
+from .data import check_source
+from .io import is_rana_dir
 from .io.models import ModelLoadError, resolve
 from .errors import UserError
 
@@ -176,3 +178,23 @@ def check_available(reference: str) -> None:
     if not exists:
         raise ModelLoadError(f"'{reference}' is neither a local folder nor a model on the Hugging Face hub: check "
                              "the path or the hub id (owner/name)")
+
+
+def check_inputs(*models: str, seq_len: int | None = None, out=None, json_out=None, data=(), data_option="--ppl-data",
+                 offload_dir=None, out_inside: bool = False) -> None:
+    """Everything a command can check before loading a model: the models exist, the window fits their
+    position table, data files are readable text, and the outputs can be written."""
+    for ref in models:
+        if not is_rana_dir(ref):
+            check_available(ref)
+    for source in data:
+        check_source(source, data_option)
+    for ref in models:
+        if seq_len is not None:
+            check_seq_len(ref, seq_len)
+    if out is not None:
+        check_writable_dir(out, "--out", inside=out_inside)
+    if offload_dir is not None:
+        check_writable_dir(offload_dir, "--offload-dir")
+    if json_out is not None:
+        check_writable_file(json_out, "--json")
