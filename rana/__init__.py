@@ -4,12 +4,15 @@
 first use.
 
     import rana
-    model, tokenizer = rana.load("smol-rana")       # = rana.io.load
+    opened = rana.open("smol-rana")                 # any reference: rana folder, alias, hub id, folder, .gguf
+    opened.model, opened.tokenizer, opened.plan, opened.provenance
+    model, tokenizer = rana.load("smol-rana")       # the short form for a rana folder (= rana.io.load)
 """
 __version__ = "0.1.0"
 
 # top-level name -> (module, attribute), resolved lazily by __getattr__
 _LAZY = {
+    "open": ("rana.io.models", "open"),
     "load": ("rana.io", "load"),
     "save": ("rana.io", "save"),
 }
@@ -37,4 +40,4 @@ def __dir__():
     return sorted(list(globals()) + list(_LAZY))
 
 
-__all__ = ["__version__", *_LAZY]
+__all__ = ["__version__", *(n for n in _LAZY if n != "open")]  # a star import must not shadow the builtin open

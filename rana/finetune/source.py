@@ -2,8 +2,8 @@
 everything or chosen dense layers train), its weights, its tokenizer, and the dense model a self-guided
 start mixes in.
 
-Every read of a model, a tokenizer or ``rana_config.json`` / ``plan.json`` for fine-tuning is in this
-module, so it can move to one shared loader in one step.
+Models are opened with `rana.io.models.open` (the one way to open a model); this module decides only
+what fine-tuning opens and which tokenizer it uses.
 """
 from __future__ import annotations
 
@@ -17,8 +17,8 @@ from transformers import AutoConfig, AutoTokenizer
 from ..io import check_folder, is_rana_dir, read_meta, read_plan
 from ..io import load as load_rana
 from ..io.models import dense_reference as compressed_from
-from ..io.models import load_model, load_tokenizer
-from ..units import DTYPES
+from ..io.models import load_tokenizer
+from ..io.models import open as open_model
 from .config import FinetuneConfig, FinetuneError
 
 
@@ -53,10 +53,10 @@ def inspect_source(config: FinetuneConfig) -> Source:
 
 
 def load_source(source: Source, config: FinetuneConfig):
-    """(model, tokenizer or None) in `config.dtype`; the tokenizer from `config.tokenizer` when the source has none."""
-    dtype = DTYPES[config.dtype]
+    """(model, tokenizer or None) in `config.dtype`; the tokenizer from `config.tokenizer` when the source has none
+    (a rana folder's own tokenizer only: not its dense reference's, which `open` would fall back to)."""
     if source.kind == "rana":
-        model, tokenizer = load_rana(source.path, dtype=dtype)
+        model, tokenizer = load_rana(source.path, dtype=config.dtype)
     else:
         model, tokenizer = load_dense(source.path, config.dtype)
     if tokenizer is None and config.tokenizer is not None:
@@ -67,8 +67,8 @@ def load_source(source: Source, config: FinetuneConfig):
 def load_dense(reference: str, dtype: str = "float32"):
     """(model, tokenizer or None) for a dense checkpoint; a missing tokenizer is fine here
     (pre-tokenised data needs none)."""
-    model, tokenizer, _ = load_model(reference, dtype=dtype, require_tokenizer=False)
-    return model, tokenizer
+    opened = open_model(reference, dtype=dtype, dense=True, require_tokenizer=False)
+    return opened.model, opened.tokenizer
 
 
 def probe_tokenizer(source: Source, config: FinetuneConfig):

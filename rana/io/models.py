@@ -1,11 +1,14 @@
-"""How models enter rana: resolve a reference (alias, hub id, local folder, .gguf file), load a
-dense model, or open any reference (dense or rana folder) with what is known of its origin."""
+"""How models enter rana: `open(reference)` opens any reference (a rana folder, an alias, a hub id, a
+local folder, a .gguf file) as one `LoadedModel` (model, tokenizer, plan, provenance). `resolve` finds a
+reference's files without loading them. `load_model` (dense models, as (model, tokenizer, source)) and
+`open_model` are the older shapes of `open`; `rana.load` (`rana.io.folder.load`) is the short form for a rana
+folder: (model, its own tokenizer)."""
 from __future__ import annotations
 
 import importlib.util
 import json
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -15,7 +18,8 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from ..units import DTYPES
 from .aliases import ALIASES
-from .folder import is_rana_dir, load, read_meta, read_plan
+from .folder import is_rana_dir, read_meta, read_plan
+from .folder import load as load_folder
 from .format import PLAN, RANA_CONFIG, ModelLoadError
 from .packaged import SPLIT_GGUFS, assembled
 from .paths import local_inputs
@@ -120,8 +124,8 @@ def check_loading_info(reference: str, info: dict) -> None:
                              f"{'; '.join(parts)}; it is incomplete or from another model: re-download or re-save it")
 
 
-def load_model(reference: str, *, dtype: str = "float32", device: str = "cpu", require_tokenizer: bool = True):
-    """(model, tokenizer, source) for a reference; the model in eval mode on `device`.
+def _load_dense(reference: str, *, dtype: str = "float32", device: str = "cpu", require_tokenizer: bool = True):
+    """(model, tokenizer, source) for a dense reference; the model in eval mode on `device`.
 
     `require_tokenizer=False`: a checkpoint without tokenizer files loads with tokenizer None
     (fine-tuning on pre-tokenised data needs none)."""
@@ -187,40 +191,68 @@ def dense_reference(plan: dict | None, meta: dict | None) -> str | None:
 
 
 @dataclass
-class LoadedModel:
-    """A model opened by `open_model`, with what is known about where it came from."""
+class Provenance:
+    """Where an opened model came from."""
 
     kind: str  # "rana" (a compressed folder) or "dense"
+    reference: str  # what was opened, as given
+    dense_reference: str | None  # the dense model it was compressed from; the reference itself if dense
+    meta: dict = field(default_factory=dict)  # rana_config.json of a rana folder ({} for a dense model)
+    source: ModelSource | None = None  # a dense model's files (hub id / folder, GGUF file); None for a rana folder
+
+
+@dataclass
+class LoadedModel:
+    """What `open` returns: the model (eval mode), its tokenizer (None when there is none), the plan.json
+    of a rana folder (None for a dense model) and its provenance."""
+
     model: nn.Module
     tokenizer: Any
-    plan: dict | None  # plan.json of a rana folder
-    meta: dict  # rana_config.json of a rana folder ({} for a dense model)
-    dense_reference: str | None  # the dense model it was compressed from; the reference itself if dense
-    reference: str = ""
+    plan: dict | None
+    provenance: Provenance
+
+    # the provenance's fields, read directly (older callers)
+    kind = property(lambda self: self.provenance.kind)
+    meta = property(lambda self: self.provenance.meta)
+    dense_reference = property(lambda self: self.provenance.dense_reference)
+    reference = property(lambda self: self.provenance.reference)
 
 
-def open_model(reference: str | Path, *, dtype: str | None = None, device: str = "cpu",
-               tokenizer: str | None = None) -> LoadedModel:
-    """A rana folder (`rana.io.load`, with its plan.json and rana_config.json) or any dense
-    reference (`load_model`).
+def open(reference: str | Path, *, dtype: str | None = None, device: str = "cpu", tokenizer: str | None = None,
+         dense: bool = False, require_tokenizer: bool = True) -> LoadedModel:
+    """The one way to open a model: a rana folder (adapters rebuilt, with its plan.json and
+    rana_config.json) or any dense reference (alias, hub id, local folder, .gguf file).
 
-    `dtype`: None keeps a rana folder in the dtype it was saved in (a dense model loads in
-    float32); a name casts. `tokenizer`: where to read the tokenizer from when a rana folder has
-    none; default: its dense reference."""
+    `dtype` (a name: float32 | bfloat16 | float16): None keeps a rana folder in the dtype it was saved
+    in and loads a dense model in float32. `tokenizer`: where to read the tokenizer from when a rana folder
+    has none (default: its dense reference). `dense`: the caller needs an uncompressed model, so a rana
+    folder is refused. `require_tokenizer=False`: a dense checkpoint without tokenizer files opens with
+    tokenizer None (fine-tuning on pre-tokenised data needs none)."""
     reference = str(reference)
     if dtype is not None and dtype not in DTYPES:
         raise ModelLoadError(f"unknown dtype '{dtype}' (choose from {', '.join(DTYPES)})")
-    if is_rana_dir(reference):
-        model, tok = load(reference, device=device, dtype=DTYPES[dtype] if dtype is not None else None)
+    if not dense and is_rana_dir(reference):
+        model, tok = load_folder(reference, device=device, dtype=DTYPES[dtype] if dtype is not None else None)
         plan, meta = read_plan(reference), read_meta(Path(reference))
-        dense = dense_reference(plan, meta)
-        if tok is None and (tokenizer or dense):
-            tok = load_tokenizer(tokenizer or dense)
-        return LoadedModel("rana", model, tok, plan, meta, dense, reference)
-    model, tok, _ = load_model(reference, dtype=dtype or "float32", device=device)
-    return LoadedModel("dense", model, tok, None, {}, reference, reference)
+        dense_ref = dense_reference(plan, meta)
+        if tok is None and (tokenizer or dense_ref):
+            tok = load_tokenizer(tokenizer or dense_ref)
+        return LoadedModel(model, tok, plan, Provenance("rana", reference, dense_ref, meta))
+    model, tok, src = _load_dense(reference, dtype=dtype or "float32", device=device,
+                                  require_tokenizer=require_tokenizer)
+    return LoadedModel(model, tok, None, Provenance("dense", reference, reference, {}, src))
+
+
+# ---------------------------------------------------------------------------- the older shapes of `open`
+def load_model(reference: str, *, dtype: str = "float32", device: str = "cpu", require_tokenizer: bool = True):
+    """(model, tokenizer, source) of a dense reference: `open(reference, dense=True)` as a tuple."""
+    opened = open(reference, dtype=dtype, device=device, dense=True, require_tokenizer=require_tokenizer)
+    return opened.model, opened.tokenizer, opened.provenance.source
+
+
+open_model = open  # the name `open` had before it was the one way
 
 
 __all__ = ["ALIASES", "ModelLoadError", "ModelSource", "resolve", "refuse_rana_folder", "check_weight_files",
            "clear_gguf_quantizer", "check_loading_info", "load_model", "model_inputs", "load_tokenizer",
-           "dense_reference", "LoadedModel", "open_model"]
+           "dense_reference", "Provenance", "LoadedModel", "open_model"]  # not `open`: a star import would shadow the builtin
