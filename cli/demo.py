@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import dataclasses
 import json
 import os
 import sys
@@ -34,17 +35,23 @@ DEFAULT_OUT = "demo-out"
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    # the compression defaults are `rana compress`'s own (read from its settings); the token counts, batch
+    # size and latency runs are the demo's, smaller, to finish in minutes on a laptop
+    from rana.compress import CompressConfig as compress
+
     p = argparse.ArgumentParser(prog="python -m rana.cli.demo", description=__doc__.split("\n\n")[0])
     p.add_argument("--out", default=DEFAULT_OUT, help=f"output folder (default {DEFAULT_OUT}); must not exist unless --overwrite")
     p.add_argument("--overwrite", action="store_true", help="replace --out if it exists and rana wrote all of it")
     p.add_argument("--model", default="smollm2-135m", help="dense model (default smollm2-135m, offline)")
-    p.add_argument("--flops", type=float, default=0.58, help="FLOP fraction to keep (default 0.58)")
-    p.add_argument("--method", default="rana", help="compression method (default rana)")
+    p.add_argument("--flops", type=float, default=compress.flops, help=f"FLOP fraction to keep (default {compress.flops})")
+    p.add_argument("--method", default=compress.method, help=f"compression method (default {compress.method})")
     p.add_argument("--calib-tokens", type=int, default=8192, help="calibration tokens (default 8192)")
     p.add_argument("--eval-tokens", type=int, default=8192, help="held-out tokens scored (default 8192)")
-    p.add_argument("--seq-len", type=int, default=512, help="calibration / perplexity window (default 512)")
+    p.add_argument("--seq-len", type=int, default=compress.seq_len,
+                   help=f"calibration / perplexity window (default {compress.seq_len})")
     p.add_argument("--batch-size", type=int, default=4, help="windows per forward (default 4)")
-    p.add_argument("--grid-step", type=float, default=0.125, help="MLP split grid step (default 0.125)")
+    p.add_argument("--grid-step", type=float, default=compress.grid_step,
+                   help=f"MLP split grid step (default {compress.grid_step})")
     p.add_argument("--latency-tokens", type=int, default=32, help="tokens generated per timed decode (default 32)")
     p.add_argument("--latency-repeats", type=int, default=3, help="timed decodes per model, median (default 3)")
     return p.parse_args(argv)
@@ -162,7 +169,7 @@ def _evaluate_and_write(args, dense, compressed, tokenizer, folder: Path, final:
     from rana.cli.common import print_wide
     from rana.cli.eval_cmd import eval_table
     from rana.data import BUNDLED_CORPUS, BUNDLED_HELDOUT
-    from rana.evaluation import eval_tokens, evaluate_model, ppl_protocol
+    from rana.evaluation import EvalConfig, eval_tokens, evaluate_model, ppl_protocol
     from rana.io.card import add_evaluation
     from rana.io.paths import write_manifest
     from rich.console import Console
@@ -172,14 +179,13 @@ def _evaluate_and_write(args, dense, compressed, tokenizer, folder: Path, final:
     label = BUNDLED_HELDOUT.stem
     plan = json.loads((folder / "plan.json").read_text())
     console.print("evaluating dense and compressed on the held-out text …", highlight=False, soft_wrap=True)
+    settings = EvalConfig(ppl_data={label: tokens}, seq_len=args.seq_len, batch_size=args.batch_size,
+                          latency_tokens=args.latency_tokens, latency_repeats=args.latency_repeats, latency_warmup=1)
     with _progress(console) as progress:
-        dense_row = evaluate_model(dense, tokenizer, ppl_sources={label: tokens}, seq_len=args.seq_len,
-                                   batch_size=args.batch_size, name=args.model, progress=progress)
+        dense_row = evaluate_model(dense, tokenizer, settings, name=args.model, progress=progress)
         dense_row.update(method="dense", kind="dense", label="dense")
-        row = evaluate_model(compressed, tokenizer, ppl_sources={label: tokens}, seq_len=args.seq_len,
-                             batch_size=args.batch_size, latency=True, dense_model=dense,
-                             latency_new_tokens=args.latency_tokens, latency_repeats=args.latency_repeats,
-                             latency_warmup=1, name=str(final), plan=plan, progress=progress)
+        row = evaluate_model(compressed, tokenizer, dataclasses.replace(settings, latency=True), dense_model=dense,
+                             name=str(final), plan=plan, progress=progress)
         row.update(kind="rana", label=final.name)
     lat = row["latency"]
     dense_row["latency"] = {"tokens_per_s": lat["dense_tokens_per_s"], "latency_ratio": 1.0,

@@ -22,6 +22,7 @@ from typing import Any
 import torch
 from transformers import CompileConfig, GenerationConfig
 
+from ..errors import UserError
 from ..kernels.cpu_gemv import native_status
 from ..kernels.masked_gemv import triton_available
 from .common import eval_mode, model_device
@@ -166,9 +167,9 @@ def _measure(models: Sequence[torch.nn.Module], ids: torch.Tensor, new_tokens: i
     and records its CUDA graphs (its first-run seconds are reported, compile time included). There is no
     eager tuning run: the kernels run the configurations a user's first compiled call gets."""
     if mode not in LATENCY_MODES:
-        raise ValueError(f"latency mode must be one of {LATENCY_MODES}, got {mode!r}")
+        raise UserError(f"latency mode must be one of {LATENCY_MODES}, got {mode!r}")
     if repeats < 1:
-        raise ValueError(f"latency repeats must be at least 1, got {repeats}")
+        raise UserError(f"latency repeats must be at least 1, got {repeats}")
     warm = max(warmup, 1 if mode in COMPILED_MODES else 0)
     full: list[list[float]] = [[] for _ in models]
     prefill: list[list[float]] = [[] for _ in models]

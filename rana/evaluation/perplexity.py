@@ -38,6 +38,7 @@ import torch.nn.functional as F
 from rich.progress import Progress as ProgressBar
 
 from ..data import DataError, load_texts, tokenize_stream
+from ..errors import UserError
 from .common import eval_mode, model_device
 
 # --------------------------------------------------------------------------- protocols
@@ -90,9 +91,9 @@ PPL_PRESET_HELP = ("rana: EOS-joined documents, non-overlapping --seq-len window
 def ppl_preset(name: str, seq_len: int | None = None) -> PplProtocol:
     """The preset `name`; `seq_len` replaces its window length (`rana`, `gptq`) or context (`teal`)."""
     if name not in PPL_PRESETS:
-        raise ValueError(f"unknown --ppl-protocol {name!r}: choose one of {', '.join(PPL_PRESETS)}")
+        raise UserError(f"unknown --ppl-protocol {name!r}: choose one of {', '.join(PPL_PRESETS)}")
     if seq_len is not None and seq_len < 2:
-        raise ValueError(f"--seq-len must be at least 2, got {seq_len}")
+        raise UserError(f"--seq-len must be at least 2, got {seq_len}")
     return PPL_PRESETS[name](seq_len)
 
 

@@ -36,6 +36,7 @@ from typing import Any
 
 import torch
 
+from ..errors import UserError
 from ..io import is_rana_dir
 from ..io import save as save_rana_folder
 from ..io.models import clear_gguf_quantizer
@@ -223,7 +224,7 @@ def time_served(server: Server, folders: Sequence[str], prompts: Sequence[str], 
     first (at least one: it loads the models). Returns one `_summary` per folder, plus `texts` (the last
     round's completion of each prompt)."""
     if repeats < 1:
-        raise ValueError(f"latency repeats must be at least 1, got {repeats}")
+        raise UserError(f"latency repeats must be at least 1, got {repeats}")
     warm = max(warmup, 1)
     timed: list[list[dict]] = [[] for _ in folders]
     texts: list[list[str]] = [[""] * len(prompts) for _ in folders]
@@ -276,7 +277,7 @@ def servable_folders(model: torch.nn.Module, tokenizer, dense_model: torch.nn.Mo
 
     if reference is not None and is_rana_dir(reference) or _has_adapters(model):
         if export is None:
-            raise ValueError("the serve latency mode exports the compressed model: pass export=rana.export.export")
+            raise UserError("the serve latency mode exports the compressed model: pass export=rana.export.export")
         src = Path(reference) if reference is not None and is_rana_dir(reference) else None
         if src is None:
             src = save_rana_folder(model, tokenizer, workdir / "rana_folder")
@@ -328,10 +329,10 @@ def serve_latency(model: torch.nn.Module, tokenizer, dense_model: torch.nn.Modul
     if reason:
         raise ServeError(reason)
     if new_tokens < 1:
-        raise ValueError(f"latency tokens must be at least 1, got {new_tokens}")
+        raise UserError(f"latency tokens must be at least 1, got {new_tokens}")
     prompts = list(prompts)
     if not prompts:
-        raise ValueError("the serve latency mode needs at least one prompt")
+        raise UserError("the serve latency mode needs at least one prompt")
     device = model_device(model)
     dtype = DTYPE_NAMES.get(next(model.parameters()).dtype, "auto")
     threads = torch.get_num_threads() if device.type == "cpu" else None

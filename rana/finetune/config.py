@@ -8,13 +8,14 @@ import math
 import os
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
-from typing import Any
+from typing import Any, Optional
 
 import torch.nn as nn
 
 from ..modules.laurel import LaurelConfig, parse_variant
 from ..units import parse_tokens
 from ..errors import UserError
+from ..settings import Settings, setting
 
 PRECISIONS = ("auto", "no", "bf16", "fp16")
 DEFAULT_LR = {"lora": 2e-4, "full": 2e-5, "laurel": 1e-3}
@@ -35,63 +36,87 @@ class NonFiniteLossError(RuntimeError):
 
 
 @dataclass
-class FinetuneConfig:
-    """Everything `finetune` needs; JSON round-trips through `to_dict` / `from_dict`.
+class FinetuneConfig(Settings):
+    """Everything `finetune` needs, each option written once with its `rana finetune` help (`rana.settings`);
+    JSON round-trips through `to_dict` / `from_dict`. The field order is the order of `to_dict`, which
+    finetune.json and the checkpoints record, so it is also the order `--help` lists the options in.
 
     Batch arithmetic: one optimizer step consumes ``batch_size × seq_len × grad_accum × processes``
     tokens (``batch_size`` is per process); the run takes ``ceil(tokens / that)`` steps.
+
+    For library callers: ``out=None`` trains and returns the model, writing nothing but checkpoints;
+    ``tokens`` and ``sweep_lrs`` may be given as text ("2M", "5e-5,2e-4"), as the command line gives them.
     """
 
-    source: str  # rana folder, or (with full / explicit lora_targets) a dense checkpoint: alias, hub id, folder, .gguf
-    out: str | None = None  # output rana folder (None: train and return the model, write nothing but checkpoints)
+    source: str = setting(help="rana folder from `rana compress` (or, with --full / --lora-targets, a dense model)",
+                          argument=True, required=True)
+    out: str | None = setting(None, "output rana folder (must not exist unless --overwrite)", flags=("--out", "-o"),
+                              cli_type=Optional[Path])
     # data
-    data: str | None = None  # hub dataset, local .txt/.jsonl/.json/.parquet file or folder, or .pt/.npy token ids
-    eval_data: str | None = None  # held-out data (same kinds); default: the tail of `data`
-    dataset_config: str | None = None
-    split: str = "train"
-    text_column: str = "text"
-    tokenizer: str | None = None  # where to take the tokenizer from when the source has none
-    heldout_fraction: float = 0.05  # of the training blocks, when eval_data is not given
-    eval_tokens: int = 65536  # at most this many held-out tokens are scored
+    data: str | None = setting(None, "training text: hub dataset, local .txt/.jsonl/.json/.parquet file or folder, "
+                                     "or .pt/.npy token ids (default: bundled corpus)")
+    eval_data: str | None = setting(None, "held-out data (same kinds; default: the tail of --data)")
+    dataset_config: str | None = setting(None, "hub dataset config name")
+    split: str = setting("train", "hub dataset split")
+    text_column: str = setting("text", "text column for json/parquet/hub data")
+    tokenizer: str | None = setting(None, "take the tokenizer from this model when the source has none")
+    heldout_fraction: float = setting(0.05, "share of --data held out when --eval-data is not given")
+    eval_tokens: int = setting(65536, "held-out tokens scored per evaluation (at most)")
     # budget / optimisation
-    tokens: int = 2_000_000
-    seq_len: int = 512
-    batch_size: int = 4
-    grad_accum: int = 1
-    lr: float | None = None  # default: 2e-4 LoRA, 2e-5 full, 1e-3 LAuReL only
-    lr_sweep: bool = False
-    sweep_lrs: tuple = ()  # default: lr × (0.25, 1, 4)
-    sweep_frac: float = 0.1  # share of the budget each sweep trial trains for
-    warmup: float = 0.05  # warm-up steps as a share of all steps
-    min_lr_ratio: float = 0.1  # cosine floor, as a share of lr
-    weight_decay: float = 0.0
-    betas: tuple = (0.9, 0.999)
-    max_grad_norm: float = 1.0
+    tokens: int = setting(2_000_000, "training token budget, e.g. 2M, 500k, 1.5e6", cli_type=str, cli_default="2M")
+    seq_len: int = setting(512, "tokens per packed training block")
+    batch_size: int = setting(4, "blocks per micro-batch, per process")
+    grad_accum: int = setting(1, "micro-batches per optimizer step")
+    lr: float | None = setting(None, "peak learning rate (default 2e-4 LoRA, 2e-5 full, 1e-3 LAuReL only)")
+    lr_sweep: bool = setting(False, "try a few learning rates on a short prefix, keep the best held-out loss",
+                             flags=("--lr-sweep",))
+    sweep_lrs: tuple = setting((), "comma list of learning rates for --lr-sweep (default lr × 0.25, 1, 4)",
+                               cli_type=Optional[str], cli_default=None)
+    sweep_frac: float = setting(0.1, "share of the budget each sweep trial trains for")
+    warmup: float = setting(0.05, "warm-up share of the steps (then cosine decay)")
+    min_lr_ratio: float = setting(0.1, "cosine floor as a share of the peak lr")
+    weight_decay: float = setting(0.0, "AdamW weight decay (matrices only)")
+    betas: tuple = setting((0.9, 0.999), "AdamW betas", cli=False)
+    max_grad_norm: float = setting(1.0, "gradient clipping (0: off)")
     # what trains
-    full: bool = False
-    lora_targets: str | None = None  # adapters | all | none | comma list of module names (default: adapters)
-    lora_r: int = 16
-    lora_alpha: float = 32.0
-    lora_dropout: float = 0.0
-    laurel: str = "none"
-    laurel_rank: int = 16
-    laurel_history: int = 2
-    self_guided_frac: float = 0.0  # share of the steps over which α decays from 1 to 0 (0: off)
-    dense_model: str | None = None  # dense weights for the self-guided start (default: plan.json's config.model)
+    full: bool = setting(False, "full fine-tuning of every weight", flags=("--full",))
+    lora_targets: str | None = setting(None, "adapters (default) | all (adapters + unadapted projections) | none | "
+                                             "comma list of module names")
+    lora_r: int = setting(16, "LoRA rank")
+    lora_alpha: float = setting(32.0, "LoRA alpha")
+    lora_dropout: float = setting(0.0, "LoRA dropout")
+    laurel: str = setting("none", "LAuReL residuals: none | rw | lr | rw+lr | rw+lr+pa (any '+' mix of rw, skip, lr, "
+                                  "pa)")
+    laurel_rank: int = setting(16, "rank of LAuReL's low-rank map (lr)")
+    laurel_history: int = setting(2, "previous activations mixed by LAuReL-PA")
+    self_guided_frac: float = setting(0.0, "self-guided start: α·dense + (1−α)·adapted, α → 0 over this share of the "
+                                           "steps")
+    dense_model: str | None = setting(None, "dense model for --self-guided-frac (default: plan.json's model)")
     # runtime
-    precision: str = "auto"  # auto (bf16 on CUDA with bf16, else fp32) | no | bf16 | fp16
-    dtype: str = "float32"  # weights while training (bfloat16 halves a frozen base's memory)
-    gradient_checkpointing: bool = False
-    seed: int = 0
-    eval_every: int = 0  # steps between held-out evaluations (0: about 10 over the run)
-    eval_at_start: bool = True  # score the held-out set before the first step ("before" perplexity)
-    eval_batch_size: int = 0  # 0: batch_size
-    save_every: int | None = None  # steps between checkpoints (None: about 5 over the run, 0: none)
-    checkpoint_dir: str | None = None  # default OUT/.checkpoints
-    keep_checkpoints: int = 2  # newest checkpoints kept while training
-    resume: bool = False  # continue from the newest checkpoint in checkpoint_dir
-    stop_after: int | None = None  # stop (with a checkpoint) after this many steps; resume later
-    overwrite: bool = False
+    precision: str = setting("auto", "auto (bf16 on CUDA with bf16, else fp32) | no | bf16 | fp16")
+    dtype: str = setting("float32", "weight dtype while training: float32 | bfloat16 | float16")
+    gradient_checkpointing: bool = setting(False, "recompute activations in backward (less memory)",
+                                           flags=("--gradient-checkpointing",))
+    seed: int = setting(0)
+    eval_every: int = setting(0, "steps between held-out evaluations (0: about 10 per run)")
+    eval_at_start: bool = setting(True, "score the held-out set before training",
+                                  flags=("--eval-at-start/--no-eval-at-start",))
+    eval_batch_size: int = setting(0, "held-out blocks per forward (0: batch_size)", cli=False)
+    save_every: int | None = setting(None, "steps between checkpoints (default: about 5 per run; 0: none)")
+    checkpoint_dir: str | None = setting(None, "checkpoint folder (default OUT/.checkpoints, removed when the run "
+                                               "finishes)", cli_type=Optional[Path])
+    keep_checkpoints: int = setting(2, "newest checkpoints kept")
+    resume: bool = setting(False, "continue from the newest checkpoint (same settings required)", flags=("--resume",))
+    stop_after: int | None = setting(None, "stop after this many steps, with a checkpoint, to --resume later")
+    overwrite: bool = setting(False, "replace an existing --out folder / start over its checkpoints")
+
+    @classmethod
+    def from_options(cls, options: dict, given: frozenset = frozenset()) -> "FinetuneConfig":
+        """The settings of `rana finetune`'s command line, which writes a folder: it needs --out (or a
+        --checkpoint-dir for a run stopped early), checked before anything else."""
+        if options.get("out") is None and options.get("checkpoint_dir") is None:
+            raise FinetuneError("pass --out OUT (where the fine-tuned rana folder goes)")
+        return super().from_options(options, given)
 
     def __post_init__(self):
         if isinstance(self.tokens, str):
@@ -181,7 +206,7 @@ class FinetuneConfig:
         names = {f.name for f in fields(cls)}
         unknown = set(d) - names
         if unknown:
-            raise ValueError(f"unknown FinetuneConfig keys: {sorted(unknown)}")
+            raise FinetuneError(f"unknown FinetuneConfig keys: {sorted(unknown)}")
         return cls(**d)
 
     def to_json(self) -> str:

@@ -200,7 +200,7 @@ class Sweep:
 
     def _evaluate(self, model) -> dict:
         _, tok = self.model()
-        return evaluate_model(model, tok, ppl_sources=self.tokens(), ppl_protocol=self.cfg.ppl_protocol,
+        return evaluate_model(model, tok, ppl_data=self.tokens(), ppl_protocol=self.cfg.ppl_protocol,
                               seq_len=self.cfg.seq_len if self.cfg.ppl_protocol == "rana" else None,
                               batch_size=self.cfg.eval_batch_size, progress=self.progress)
 
