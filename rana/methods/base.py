@@ -160,7 +160,7 @@ RENAMED = {"rana-wina": "wina"}  # old name -> new name, for the one-line error 
 
 
 def renamed_hint(name: str) -> str | None:
-    """"renamed 'NEW'" for a method's old name (the error names the new one), else None."""
+    """The hint an old method name's error carries ("renamed 'NEW'"), else None."""
     return f"renamed '{RENAMED[name]}'" if name in RENAMED else None
 
 
