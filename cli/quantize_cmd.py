@@ -2,45 +2,24 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Optional
 
 import typer
 
-from .common import LazyProgress, friendly
+from rana.quantize.config import QuantizeConfig
+
+from .common import LazyProgress
 from .common import out as stdout
+from .options import settings_command
 
 
 def register(app: typer.Typer) -> None:
-    from rana.quantize import DEFAULT_CALIB_TOKENS
-
-    @app.command("quantize")
-    @friendly
-    def quantize(
-        src: Path = typer.Argument(..., help="rana folder written by `rana compress` / `rana finetune`"),
-        weights: str = typer.Option(..., "--weights", help="int8: symmetric per-output-channel int8 for every linear "
-                                    "of the decoder and the LM head, fp32 scales, thresholds refit on the quantized "
-                                    "model's activations"),
-        out: Path = typer.Option(..., "--out", "-o", help="output folder (must not exist unless --overwrite)"),
-        dataset: Optional[str] = typer.Option(None, help="calibration text: local .txt/.jsonl/.parquet file or folder, or "
-                                              "a hub dataset (default: bundled corpus)"),
-        calib_tokens: int = typer.Option(DEFAULT_CALIB_TOKENS, "--calib-tokens", help="calibration tokens for the scales "
-                                         "and the threshold refit (0: max-abs scales, thresholds kept)"),
-        seq_len: Optional[int] = typer.Option(None, "--seq-len", help="calibration window (default: the folder's "
-                                              "compression setting, else 512)"),
-        batch_size: int = typer.Option(8, "--batch-size", help="windows per calibration forward"),
-        seed: int = typer.Option(0),
-        overwrite: bool = typer.Option(False, help="replace an existing --out folder"),
-    ) -> None:
+    @settings_command(app, "quantize", QuantizeConfig)
+    def quantize(config: QuantizeConfig) -> None:
         """Quantize a rana folder's weights (int8), refitting its thresholds on the quantized model."""
-        from rana.checks import check_writable_dir
-        from rana.quantize import check_weights, quantize_folder
+        from rana.quantize import quantize_folder
 
-        check_weights(weights)
-        check_writable_dir(out, "--out")
-        with LazyProgress(f"quantizing {src}") as progress:
-            path, report = quantize_folder(src, out, weights=weights, dataset=dataset, calib_tokens=calib_tokens,
-                                           seq_len=seq_len, batch_size=batch_size, seed=seed, overwrite=overwrite,
-                                           progress=progress)
+        with LazyProgress(f"quantizing {config.src}") as progress:
+            path, report = quantize_folder(config, progress=progress)  # checks everything before loading
         errors = [m["relative_error"] for m in report["modules"]]
         size = sum(f.stat().st_size for f in Path(path).glob("*.safetensors")) / 1e6
         refit = report.get("refit") or {}

@@ -1,6 +1,7 @@
 """Units users type and read: memory sizes, token budgets, dtype names.
 
-A leaf: it knows nothing of rana, so every layer of the package may use it.
+A leaf: it knows nothing of rana but `rana.errors` (what it refuses is a `UserError`), so every
+layer of the package may use it.
 """
 from __future__ import annotations
 
@@ -9,6 +10,8 @@ from typing import Any
 import re
 
 import torch
+
+from .errors import UserError
 
 DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
           "float16": torch.float16, "fp16": torch.float16}
@@ -31,10 +34,10 @@ def parse_memory(text: str | int | float | None) -> int | None:
         return int(text)
     m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+(?:e[0-9]+)?)\s*([a-zA-Z]*)\s*", str(text))
     if not m or m.group(2).lower() not in _UNITS:
-        raise ValueError(f"--max-memory '{text}' is not a memory size; write e.g. 2GB, 512MB, 80GiB")
+        raise UserError(f"--max-memory '{text}' is not a memory size; write e.g. 2GB, 512MB, 80GiB")
     value = int(float(m.group(1)) * _UNITS[m.group(2).lower()])
     if value <= 0:
-        raise ValueError(f"--max-memory must be positive, got '{text}'")
+        raise UserError(f"--max-memory must be positive, got '{text}'")
     return value
 
 
@@ -52,19 +55,19 @@ _TOKEN_SUFFIX = {"": 1, "k": 10**3, "m": 10**6, "g": 10**9, "b": 10**9, "t": 10*
 def parse_tokens(value: Any) -> int:
     """A token budget: ``2M``, ``500k``, ``1.5e6``, ``2_000_000`` or a plain int."""
     if isinstance(value, bool):
-        raise ValueError(f"cannot parse token budget {value!r}")
+        raise UserError(f"cannot parse token budget {value!r}")
     if isinstance(value, (int, float)):
         n = float(value)
     else:
         s = str(value).strip().lower().replace("_", "").replace(",", "")
         m = re.fullmatch(r"([0-9]*\.?[0-9]+(?:e[+-]?[0-9]+)?)\s*([kmgbt]?)", s)
         if not m:
-            raise ValueError(f"cannot parse token budget {value!r}: use a number with an optional k/M/G suffix, "
-                             "e.g. 2M, 500k, 1.5e6")
+            raise UserError(f"cannot parse token budget {value!r}: use a number with an optional k/M/G suffix, "
+                            "e.g. 2M, 500k, 1.5e6")
         n = float(m.group(1)) * _TOKEN_SUFFIX[m.group(2)]
     if not math.isfinite(n) or n < 1:
-        raise ValueError(f"--tokens: the token budget must be at least 1 token, got {value!r}")
+        raise UserError(f"--tokens: the token budget must be at least 1 token, got {value!r}")
     if n > MAX_TOKENS:
-        raise ValueError(f"--tokens {value}: a budget beyond {MAX_TOKENS:.0e} tokens is not a fine-tuning run (at "
-                         "today's speeds it would never finish); pass e.g. 2M or 500M")
+        raise UserError(f"--tokens {value}: a budget beyond {MAX_TOKENS:.0e} tokens is not a fine-tuning run (at "
+                        "today's speeds it would never finish); pass e.g. 2M or 500M")
     return int(round(n))

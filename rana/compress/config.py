@@ -1,15 +1,23 @@
-"""`CompressConfig`: the settings of one compression, versioned and JSON round-trippable (the CLI,
-plan.json's `config`, rana_config.json's `compress_config` and recipe.json all hold it)."""
+"""`CompressConfig`: what `rana compress` is asked to do: the settings folders record
+(`rana.io.compress_settings.CompressSettings`) plus the command's own `--out`, `--overwrite` and
+`--recipe`, which are never recorded. `validate` checks every value before any work;
+`from_options` builds it from the command line, merged into a recipe when `--recipe` names one."""
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
+from pathlib import Path
 
 from ..checks import check_device
-from ..io.format import WEIGHT_FORMATS, CompressSettings
+from ..errors import UserError
+from ..io.card import load_recipe
+from ..io.compress_settings import CompressSettings
+from ..io.format import WEIGHT_FORMATS
+from ..io.paths import OutputExistsError
+from ..settings import setting
 from ..units import parse_memory
 
 from ..methods import METHODS  # the registry names, current when read
-from ..methods.base import RENAMED, get_method
+from ..methods.base import get_method, renamed_hint
 from .head import check_lm_head, resolve_lm_head
 
 
@@ -29,8 +37,31 @@ def min_calib_tokens(seq_len: int, heldout_fraction: float = 0.125) -> int:
 
 @dataclass
 class CompressConfig(CompressSettings):
-    """The settings of one compression (fields, defaults and JSON form: `rana.io.format.CompressSettings`,
-    which folders and recipes record), checked by `validate` before any work."""
+    """The settings of one compression (`CompressSettings`: what folders and recipes record) and where
+    its folder goes; checked by `validate`, then by `rana.compress.preflight`, before any work."""
+
+    out: Path | None = setting(None, "output folder (must not exist unless --overwrite)", flags=("--out", "-o"),
+                               required=True)
+    overwrite: bool = setting(False, "replace an existing --out folder")
+    recipe: Path | None = setting(None, "re-run a recipe.json (or the folder holding one) written with every "
+                                        "compressed model; options given here override its values", flags=("--recipe",))
+
+    @classmethod
+    def from_options(cls, options: dict, given: frozenset = frozenset()) -> CompressConfig:
+        """The config the command line asks for: without --recipe the options as parsed; with one, the
+        recipe's values overridden by the options actually typed (`given`). An existing --out is reported
+        first, before the recipe is read."""
+        refuse_existing_out(options.get("out"), options.get("overwrite", False))
+        recipe = options.get("recipe")
+        if recipe is None:
+            if options.get("model") is None:
+                raise UserError("missing MODEL: pass a model (alias, hub id, folder or .gguf) or --recipe FILE")
+            return super().from_options(options, given)
+        own = {k: options[k] for k in ("out", "overwrite", "recipe") if k in options}
+        settings = {**own, **load_recipe(recipe), **{k: v for k, v in options.items() if k in given}}
+        if not settings.get("model"):
+            raise UserError(f"recipe {recipe} names no model: pass MODEL")
+        return super().from_options(settings, given)
 
     def resolved(self) -> CompressConfig:
         """This config with "auto" settings replaced by the method's own choices (validate first):
@@ -38,40 +69,50 @@ class CompressConfig(CompressSettings):
         return replace(self, lm_head=resolve_lm_head(self.lm_head, get_method(self.method).lm_head))
 
     def validate(self) -> None:
+        """One UserError naming the option for the first value that cannot work."""
         if not 0.0 < self.flops <= 1.0:
-            raise ValueError(f"--flops must be in (0, 1], got {self.flops}: it is the fraction of the dense model's FLOPs to keep")
+            raise UserError(f"--flops must be in (0, 1], got {self.flops}: it is the fraction of the dense model's FLOPs to keep")
         if self.method not in METHODS:
-            renamed = f"renamed '{RENAMED[self.method]}'; " if self.method in RENAMED else ""
-            raise ValueError(f"unknown method '{self.method}' ({renamed}choose from {', '.join(METHODS)})")
+            hint = renamed_hint(self.method)
+            raise UserError(f"unknown method '{self.method}' ({f'{hint}; ' if hint else ''}choose from {', '.join(METHODS)})")
         if self.allocation not in ("uniform", "global"):
-            raise ValueError(f"unknown allocation '{self.allocation}' (choose uniform or global)")
+            raise UserError(f"unknown allocation '{self.allocation}' (choose uniform or global)")
         check_lm_head(self.lm_head)
-        if self.max_memory is not None:
-            parse_memory(self.max_memory)
+        parse_memory(self.max_memory)  # refuses what is not a memory size (rana.compress.Resources keeps the bytes)
         if self.seq_len < 8:
-            raise ValueError(f"--seq-len must be at least 8, got {self.seq_len}")
+            raise UserError(f"--seq-len must be at least 8, got {self.seq_len}")
         if self.calib_tokens < 2 * self.seq_len:
-            raise ValueError(f"--calib-tokens ({self.calib_tokens}) must be at least two sequences (2 × --seq-len = {2 * self.seq_len})")
+            raise UserError(f"--calib-tokens ({self.calib_tokens}) must be at least two sequences (2 × --seq-len = {2 * self.seq_len})")
         if not 0.0 < self.heldout_fraction < 1.0:
-            raise ValueError("heldout fraction must be in (0, 1)")
+            raise UserError("heldout fraction must be in (0, 1)")
         n_seq = self.calib_tokens // self.seq_len
         fit_tokens = (n_seq - max(1, round(n_seq * self.heldout_fraction))) * self.seq_len
         if fit_tokens < MIN_FIT_TOKENS:
-            raise ValueError(f"--calib-tokens {self.calib_tokens} leaves {fit_tokens} tokens to fit thresholds on (after the "
-                             f"held-aside slice), too few for stable statistics: pass --calib-tokens "
-                             f"{min_calib_tokens(self.seq_len, self.heldout_fraction)} or more")
+            raise UserError(f"--calib-tokens {self.calib_tokens} leaves {fit_tokens} tokens to fit thresholds on (after the "
+                            f"held-aside slice), too few for stable statistics: pass --calib-tokens "
+                            f"{min_calib_tokens(self.seq_len, self.heldout_fraction)} or more")
         if self.calib_tokens > MAX_CALIB_TOKENS:
-            raise ValueError(f"--calib-tokens {self.calib_tokens} is beyond any useful calibration set (at most "
-                             f"{MAX_CALIB_TOKENS:,}; the paper uses about 32k)")
+            raise UserError(f"--calib-tokens {self.calib_tokens} is beyond any useful calibration set (at most "
+                            f"{MAX_CALIB_TOKENS:,}; the paper uses about 32k)")
         for name in ("batch_size", "fit_sample_tokens", "search_tokens"):
             if getattr(self, name) < 1:
-                raise ValueError(f"--{name.replace('_', '-')} must be a positive integer, got {getattr(self, name)}")
+                raise UserError(f"--{name.replace('_', '-')} must be a positive integer, got {getattr(self, name)}")
         if not 0.0 < self.grid_step <= 1.0:
-            raise ValueError(f"--grid-step must be in (0, 1] (a share of the MLP budget), got {self.grid_step}")
+            raise UserError(f"--grid-step must be in (0, 1] (a share of the MLP budget), got {self.grid_step}")
         check_device(self.device)
         check_device(self.offload_device)
         if self.weights not in WEIGHT_FORMATS:
-            raise ValueError(f"unknown --weights '{self.weights}' (choose {' or '.join(WEIGHT_FORMATS)})")
+            raise UserError(f"unknown --weights '{self.weights}' (choose {' or '.join(WEIGHT_FORMATS)})")
         if self.weights == "int8" and self.offload_dir:
-            raise ValueError("--weights int8 does not work with layers streamed from disk (--offload-dir); compress "
-                             "in memory, or compress first and run `rana quantize` on the folder")
+            raise UserError("--weights int8 does not work with layers streamed from disk (--offload-dir); compress "
+                            "in memory, or compress first and run `rana quantize` on the folder")
+
+
+def refuse_existing_out(out, overwrite: bool) -> None:
+    """An existing --out without --overwrite: the first thing `rana compress` reports (check_output then
+    looks closer: overlaps with the inputs, and what --overwrite may replace)."""
+    if out is not None and Path(out).exists() and not overwrite:
+        raise OutputExistsError(f"output folder '{out}' already exists; choose another --out or pass --overwrite")
+
+
+__all__ = ["CompressConfig", "METHODS", "MIN_FIT_TOKENS", "MAX_CALIB_TOKENS", "min_calib_tokens", "refuse_existing_out"]

@@ -28,6 +28,8 @@ from typing import Iterable
 import torch
 import torch.distributed as dist
 
+from ..errors import UserError
+
 from ..accounting import metered_modules
 
 # The share of the fit batches (the last ones) that feed threshold samples only; the rest feed the
@@ -96,8 +98,8 @@ def local_batches(n_batches: int, threshold_fraction: float = THRESHOLD_FRACTION
         return [(b, None) for b in range(n_batches)]
     w, r = world_size(), rank()
     if n_batches < w:
-        raise ValueError(f"{n_batches} calibration batches cannot be split across {w} processes; "
-                         "use more calibration tokens or a smaller --batch-size")
+        raise UserError(f"{n_batches} calibration batches cannot be split across {w} processes; "
+                        "use more calibration tokens or a smaller --batch-size")
     roles = global_roles(n_batches, threshold_fraction)
     # one round-robin over the moment batches, then the sample batches (balanced counts)
     order = [b for kind in ("moment", "sample", "both") for b, k in enumerate(roles) if k == kind]

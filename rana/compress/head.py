@@ -22,6 +22,7 @@ import torch
 import torch.nn as nn
 
 from ..accounting import metering
+from ..errors import UserError
 from ..archs import ArchSpec, set_submodule
 from ..math.masks import subsample_rows, threshold_for_keep_fraction
 from ..methods.base import adapter_entry
@@ -45,7 +46,7 @@ LARGE_HEAD_SHARE = 0.10
 
 def check_lm_head(choice: str) -> None:
     if choice not in LM_HEAD_CHOICES:
-        raise ValueError(f"unknown --lm-head '{choice}' (choose {', '.join(LM_HEAD_CHOICES[:-1])} or {LM_HEAD_CHOICES[-1]})")
+        raise UserError(f"unknown --lm-head '{choice}' (choose {', '.join(LM_HEAD_CHOICES[:-1])} or {LM_HEAD_CHOICES[-1]})")
 
 
 def resolve_lm_head(choice: str, method_default: str) -> str:
@@ -109,8 +110,8 @@ def compress_lm_head(model: nn.Module, spec: ArchSpec, fit: LayerInputs, held: L
     the meter of the new head measures it on the held-aside tokens. Returns its plan entry."""
     head = model.get_submodule(spec.lm_head)
     if type(head) is not nn.Linear:
-        raise ValueError(f"--lm-head sparse: '{spec.lm_head}' is a {type(head).__name__}, not a plain linear layer; "
-                         "pass --lm-head dense")
+        raise UserError(f"--lm-head sparse: '{spec.lm_head}' is a {type(head).__name__}, not a plain linear layer; "
+                        "pass --lm-head dense")
     tied = head.weight is getattr(model.get_input_embeddings(), "weight", None)
     stats = collect_inputs(_HeadInput(model.get_submodule(spec.final_norm), head), fit, held, {spec.lm_head: head},
                            device=device, stop_at=head, layer_index=layer_index)[spec.lm_head]

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import resource
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -19,8 +20,11 @@ from . import distributed
 from ..accounting import layer_dims
 from ..archs import get_arch
 from ..methods import get_method
-from ..units import dtype_bytes, fmt_bytes, parse_memory
+from ..units import dtype_bytes, fmt_bytes
 from ..errors import UserError
+
+if TYPE_CHECKING:  # resources.py builds on this module
+    from .resources import Resources
 
 
 class MemoryBudgetError(UserError):
@@ -45,12 +49,16 @@ class MemoryEstimate:
         return {"device": self.device, "total_bytes": self.total, "parts_bytes": dict(self.parts)}
 
 
-def layer_weight_bytes(model_config, dtype: str = "float32") -> float:
-    """Bytes of the largest decoder layer's projection weights (norms and biases are negligible)."""
-    e = dtype_bytes(dtype)
+def _largest_layer_bytes(dims, e: int) -> float:
+    """Bytes of the largest of the layers `dims` (`layer_dims`) at `e` bytes per weight."""
     return max(e * (2 * d.q_out * d.hidden + 2 * d.kv_out * d.hidden + (3 if d.gated else 2) * d.intermediate * d.hidden
                    * d.stored_experts)
-               for d in layer_dims(model_config))
+               for d in dims)
+
+
+def layer_weight_bytes(model_config, dtype: str = "float32") -> float:
+    """Bytes of the largest decoder layer's projection weights (norms and biases are negligible)."""
+    return _largest_layer_bytes(layer_dims(model_config), dtype_bytes(dtype))
 
 
 def model_weight_bytes(model_config, dtype: str = "float32") -> float:
@@ -58,7 +66,7 @@ def model_weight_bytes(model_config, dtype: str = "float32") -> float:
     e = dtype_bytes(dtype)
     dims = layer_dims(model_config)
     embed = text.vocab_size * text.hidden_size * e * (1 if getattr(text, "tie_word_embeddings", False) else 2)
-    return len(dims) * layer_weight_bytes(model_config, dtype) + embed
+    return len(dims) * _largest_layer_bytes(dims, e) + embed
 
 
 def estimate_memory(model_config, config, *, method: str | None = None, device: str | None = None,
@@ -72,10 +80,11 @@ def estimate_memory(model_config, config, *, method: str | None = None, device: 
     need = get_method(method or config.method).memory
     device = device or config.device
     text = model_config.get_text_config() if hasattr(model_config, "get_text_config") else model_config
-    d = max(layer_dims(model_config), key=lambda d: d.intermediate * d.hidden + d.q_out * d.hidden)
+    dims = layer_dims(model_config)
+    d = max(dims, key=lambda d: d.intermediate * d.hidden + d.q_out * d.hidden)
     e = dtype_bytes(config.dtype)
     h, inter, qkv = d.hidden, d.intermediate, d.q_out + 2 * d.kv_out
-    w_layer = layer_weight_bytes(model_config, config.dtype)
+    w_layer = _largest_layer_bytes(dims, e)
     b, s = config.batch_size, config.seq_len
     # the largest matrix decomposed in float64 (W, U, B_full) and its input's moment (+ eigh workspace)
     up_rows = 2 * inter if get_arch(model_config).gate_up_fused else inter  # fused gate_up: one stacked matrix
@@ -111,18 +120,18 @@ def estimate_memory(model_config, config, *, method: str | None = None, device: 
     return MemoryEstimate(parts=parts, device=str(device))
 
 
-def check_memory(model_config, config, *, streamed: bool = False) -> MemoryEstimate | None:
-    """Raise MemoryBudgetError when --max-memory cannot hold one layer's compression."""
-    cap = parse_memory(getattr(config, "max_memory", None))
-    if cap is None:
+def check_memory(model_config, config, resources: Resources, *, streamed: bool = False) -> MemoryEstimate | None:
+    """Raise MemoryBudgetError when the cap (`resources.cap`, --max-memory) cannot hold one layer's
+    compression; the estimate, or None without a cap."""
+    if resources.cap is None:
         return None
     est = estimate_memory(model_config, config, streamed=streamed)
-    if torch.device(config.device).type == "cpu" and not streamed:  # the other layers share the same RAM
+    if resources.device.type == "cpu" and not streamed:  # the other layers share the same RAM
         est.parts["rest of the model (in RAM)"] = max(0.0, model_weight_bytes(model_config, config.dtype)
-                                                      - layer_weight_bytes(model_config, config.dtype))
-    if est.total > cap:
+                                                      - est.parts["layer weights"])
+    if est.total > resources.cap:
         raise MemoryBudgetError(
-            f"--max-memory {config.max_memory} is too small: compressing one decoder layer of this model needs about "
+            f"--max-memory {resources.max_memory} is too small: compressing one decoder layer of this model needs about "
             f"{fmt_bytes(est.total)} on {est.device} ({est.describe()}); raise --max-memory, lower --batch-size or "
             f"--seq-len (activations), use --dtype bfloat16 (weights), or --offload-dir to keep activations on disk")
     return est
@@ -132,8 +141,6 @@ def peak_memory_bytes(device: torch.device) -> float:
     if device.type == "cuda":
         return float(torch.cuda.max_memory_allocated(device))
     return float(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024  # Linux: kB
-
-
 
 
 __all__ = ["MemoryBudgetError", "MemoryEstimate", "layer_weight_bytes", "model_weight_bytes", "estimate_memory",

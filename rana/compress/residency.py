@@ -28,8 +28,8 @@ from ..accounting import metered_modules
 from ..archs import ArchSpec, decoder_layers
 from ..io.folder import OffloadedLayers
 from ..io.format import adapter_specs
-from ..units import parse_memory
 from .memory import MemoryEstimate, check_memory, peak_memory_bytes
+from .resources import Resources
 from .streaming import LazyWeights, free_layer, named_tensors, set_tensor
 
 
@@ -58,32 +58,33 @@ class Residency:
     Streaming (`lazy` weights from `load_lazy`): layers come from the checkpoint and leave to
     `offload_dir`."""
 
-    def __init__(self, model: nn.Module, spec: ArchSpec, config, device: torch.device, offload: torch.device,
-                 lazy: LazyWeights | None = None):
-        self.model, self.spec, self.config = model, spec, config
-        self.device, self.offload = device, offload
+    def __init__(self, model: nn.Module, spec: ArchSpec, resources: Resources, lazy: LazyWeights | None = None):
+        self.model, self.spec, self.resources = model, spec, resources
+        self.device, self.offload = resources.device, resources.offload
         self.lazy = lazy
         self.layers = decoder_layers(model, spec)
         self.dtype = next((p.dtype for p in model.parameters() if p.is_floating_point()), torch.float32)
-        self.estimate: MemoryEstimate | None = None
+        self.estimate: MemoryEstimate | None = resources.estimate
         self.dir: Path | None = None
         self.written: dict[int, tuple[str, list[dict]]] = {}
-        if self.lazy is not None or getattr(config, "offload_dir", None):
-            self.dir = Path(config.offload_dir) if getattr(config, "offload_dir", None) else Path(
+        if self.lazy is not None or resources.work_dir is not None:
+            self.dir = resources.work_dir if resources.work_dir is not None else Path(
                 tempfile.mkdtemp(prefix="rana-offload-"))
             self._cleanup = weakref.finalize(self, shutil.rmtree, str(self.dir / "activations"), True)
 
     @classmethod
-    def create(cls, model: nn.Module, spec: ArchSpec, config, device: torch.device, offload: torch.device,
+    def create(cls, model: nn.Module, spec: ArchSpec, config, resources: Resources,
                lazy: LazyWeights | None = None) -> "Residency":
-        r = cls(model, spec, config, device, offload, lazy)
-        r.estimate = check_memory(model.config, config, streamed=r.lazy is not None)
-        cap = parse_memory(getattr(config, "max_memory", None))
-        if cap is not None and device.type == "cuda":
-            total = torch.cuda.get_device_properties(device).total_memory
-            torch.cuda.set_per_process_memory_fraction(min(1.0, cap / total), device)
-        if device.type == "cuda":
-            torch.cuda.reset_peak_memory_stats(device)
+        """Place the model for the loop; --max-memory checked on the model in hand unless the resources
+        were checked up front (`rana.compress.resources`), and enforced on CUDA."""
+        r = cls(model, spec, resources, lazy)
+        if r.estimate is None:
+            r.estimate = check_memory(model.config, config, resources, streamed=r.lazy is not None)
+        if resources.cap is not None and r.device.type == "cuda":
+            total = torch.cuda.get_device_properties(r.device).total_memory
+            torch.cuda.set_per_process_memory_fraction(min(1.0, resources.cap / total), r.device)
+        if r.device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(r.device)
         r.place()
         return r
 
@@ -176,7 +177,7 @@ class Residency:
         plan["memory"] = {
             "device": str(self.device),
             "weights_home": "disk (streamed layer by layer)" if self.lazy is not None else str(self.offload),
-            "max_memory": getattr(self.config, "max_memory", None),
+            "max_memory": self.resources.max_memory,
             "estimate": self.estimate.to_dict() if self.estimate else None,
             "measured_peak_bytes": peak,
             "measured_peak": "torch.cuda.max_memory_allocated" if self.device.type == "cuda" else "process peak RSS",
@@ -188,14 +189,13 @@ class Residency:
                 for name, p in module.named_parameters(recurse=False):
                     p.data = p.data.to("cpu")
             return OffloadedLayers(self.spec, self.dir / "layers", dict(self.written))
-        cap = parse_memory(getattr(self.config, "max_memory", None))
+        cap = self.resources.cap
         size = sum(t.numel() * t.element_size() for t in model.state_dict().values())
         if cap is not None and size > cap:
             plan["memory"]["model_left_on"] = str(self.offload)  # the compressed model does not fit the cap
             return None
         model.to(self.device)
         return None
-
 
 
 __all__ = ["disk_spill", "Residency"]

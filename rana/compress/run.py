@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import math
 import time
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Callable
 
 import torch
@@ -20,11 +20,13 @@ from ..quantize import check_quantizable, quantize_model
 from ..units import DTYPES
 from .calibrate import capture_first_layer_inputs, collect_inputs, run_layer
 from .config import CompressConfig
-from .distributed import global_roles, setup_from_env
+from .distributed import global_roles
 from .head import budget_summary, compress_lm_head
+from .job import CompressJob, preflight
 from .placement import as_module_input
 from .profile import profile_and_allocate
 from .residency import Residency
+from .resources import Resources
 from .streaming import LazyWeights, load_for_compression
 from ..errors import UserError
 
@@ -104,13 +106,13 @@ def compress_model(model: nn.Module, tokenizer, config: CompressConfig, calibrat
     fraction, budget_info = budget_for(model.config, method, config.flops, config.seq_len, config.lm_head)
     if config.weights == "int8":
         if lazy_weights is not None:
-            raise ValueError("--weights int8 does not work with layers streamed from disk; compress in memory, or "
-                             "compress first and run `rana quantize` on the folder")
+            raise UserError("--weights int8 does not work with layers streamed from disk; compress in memory, or "
+                            "compress first and run `rana quantize` on the folder")
         check_quantizable(model)
     if on_budget:
         on_budget(budget_info)
     result = _compress_layers(model, tokenizer, config, calibration, method, fraction, budget_info, progress,
-                              lazy_weights)
+                              lazy_weights, Resources.of(config))
     _quantize_last(result, config, calibration, progress)
     # the adapters are new modules, built in training mode: put every module back in the model's own mode
     # (an eval-mode model decodes through the masked-GEMV kernels only when its adapters are in eval mode too)
@@ -121,19 +123,19 @@ def compress_model(model: nn.Module, tokenizer, config: CompressConfig, calibrat
 @torch.no_grad()
 def _compress_layers(model: nn.Module, tokenizer, config: CompressConfig, calibration, method: Method, fraction: float,
                      budget_info: dict, progress: Callable[[str, int, int], None] | None,
-                     lazy_weights: LazyWeights | None) -> CompressResult:
-    """The loop, for a validated config and its budget."""
+                     lazy_weights: LazyWeights | None, resources: Resources) -> CompressResult:
+    """The loop, for a validated config, its budget and its resources."""
     spec = get_arch(model.config)
-    device, offload = torch.device(config.device), torch.device(config.offload_device)
+    device, offload = resources.device, resources.offload
     layers = decoder_layers(model, spec)
     # a method's model-level transform (larosa's folded rotations) runs on the dense model first
     transform = None
     if method.prepare is not None:
         transform = method.prepare(model, spec, moment_sequences(calibration.fit, config.batch_size),
                                    batch_size=config.batch_size,
-                                   streamed=lazy_weights is not None or bool(config.offload_dir))
+                                   streamed=lazy_weights is not None or resources.work_dir is not None)
     # everything but the decoder stack on the device; the stack in host RAM or on disk (rana.compress.residency)
-    residency = Residency.create(model, spec, config, device, offload, lazy_weights)
+    residency = Residency.create(model, spec, config, resources, lazy_weights)
     dtype = DTYPES[config.dtype]
     t0 = time.perf_counter()
     fit = capture_first_layer_inputs(model, spec, calibration.fit, batch_size=config.batch_size, device=device, offload=offload)
@@ -249,31 +251,26 @@ def calibration_data(config: CompressConfig, tokenizer):
         return attempt(None)
 
 
-def setup_distributed(config: CompressConfig) -> CompressConfig:
-    """Under `accelerate launch` / `torchrun` (WORLD_SIZE > 1): join the process group and give
-    this process its own device; the calibration batches are then split across processes."""
-    device = setup_from_env(config.device)
-    return config if device == config.device else replace(config, device=device)
-
-
-def compress(config: CompressConfig, progress: Callable[[str, int, int], None] | None = None,
+def compress(config: CompressConfig | CompressJob, progress: Callable[[str, int, int], None] | None = None,
              on_budget: Callable[[dict], None] | None = None) -> CompressResult:
-    """Load the model and calibration data named by `config`, then compress (`on_budget`: see compress_model)."""
-    config.validate()
-    config = setup_distributed(config.resolved())
-    model, tokenizer, lazy_weights = load_for_compression(config)  # host RAM, or streamed from disk
+    """Load the model and calibration data named by a config that passed `preflight` (a bare
+    `CompressConfig` runs the pre-flight here first), then compress (`on_budget`: see compress_model)."""
+    job = config if isinstance(config, CompressJob) else preflight(config)
+    config, resources = job.run_config, job.resources
+    model, tokenizer, lazy_weights = load_for_compression(config, resources)  # host RAM, or streamed from disk
     method = get_method(config.method)
     if config.weights == "int8":  # refused before any calibration work
         if lazy_weights is not None:
-            raise ValueError("--weights int8 does not work with layers streamed from disk (the model is bigger than "
-                             "--max-memory); compress without it, or compress first and run `rana quantize`")
+            raise UserError("--weights int8 does not work with layers streamed from disk (the model is bigger than "
+                            "--max-memory); compress without it, or compress first and run `rana quantize`")
         check_quantizable(model)
     # an unsupported architecture or an unreachable target fails before any calibration text is read
     fraction, budget_info = budget_for(model.config, method, config.flops, config.seq_len, config.lm_head)
     if on_budget:
         on_budget(budget_info)
     calibration = calibration_data(config, tokenizer)
-    result = _compress_layers(model, tokenizer, config, calibration, method, fraction, budget_info, progress, lazy_weights)
+    result = _compress_layers(model, tokenizer, config, calibration, method, fraction, budget_info, progress,
+                              lazy_weights, resources)
     _quantize_last(result, config, calibration, progress)
     result.plan["model"] = config.model
     return result
@@ -293,5 +290,4 @@ def _quantize_last(result: CompressResult, config: CompressConfig, calibration, 
     result.plan["quantization"] = report
 
 
-__all__ = ["BudgetError", "CompressResult", "budget_for", "compress_model", "calibration_data", "setup_distributed",
-           "compress"]
+__all__ = ["BudgetError", "CompressResult", "budget_for", "compress_model", "calibration_data", "compress"]

@@ -3,13 +3,15 @@ only the modules outside the decoder stack are read, and each decoder layer is m
 the checkpoint's safetensors shards (memory-mapped) when its turn comes (`rana.compress.residency`).
 
 Streaming is chosen by `--offload-dir DIR`, or implied by `--max-memory` on a CPU device when the
-checkpoint is bigger than the cap (`should_stream`); otherwise the model is loaded into host RAM.
+checkpoint is bigger than the cap (decided up front: `rana.compress.resources`); otherwise the model
+is loaded into host RAM.
 """
 from __future__ import annotations
 
 import ctypes
 import re
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn as nn
@@ -19,11 +21,12 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
 from ..archs import get_arch
 from ..io.format import WEIGHTS_INDEX, ModelLoadError, tied_keys
-from ..io.models import load_model, model_inputs, resolve
-from ..io.paths import check_work_dir, local_inputs
+from ..io.models import load_model, resolve
 from ..io.weightfiles import check_safetensors_file, check_safetensors_folder, index_shards
-from ..units import DTYPES, parse_memory
-from .memory import check_memory, estimate_memory
+from ..units import DTYPES
+
+if TYPE_CHECKING:  # resources.py decides what this module loads, and builds on it
+    from .resources import Resources
 
 
 def set_tensor(module: nn.Module, dotted: str, tensor: torch.Tensor) -> None:
@@ -50,7 +53,7 @@ class LazyWeights:
         else:
             files = sorted(self.folder.glob("*.safetensors"))
             if not files:
-                raise ValueError(f"'{folder}' has no .safetensors weights; streaming layers from disk needs them "
+                raise ModelLoadError(f"'{folder}' has no .safetensors weights; streaming layers from disk needs them "
                                  "(re-save the model with save_pretrained, or drop --offload-dir/--max-memory)")
             weight_map = {}
             for f in files:
@@ -73,7 +76,7 @@ class LazyWeights:
         """The named tensors on `device` (in `dtype` when floating), one file opening per shard."""
         missing = [k for k in keys if k not in self.files]
         if missing:
-            raise ValueError(f"the checkpoint in '{self.folder}' lacks {len(missing)} tensors the model needs "
+            raise ModelLoadError(f"the checkpoint in '{self.folder}' lacks {len(missing)} tensors the model needs "
                              f"(e.g. {missing[:3]}); streaming from disk reads tensors under the model's own names: "
                              "re-save the model with save_pretrained, or drop --offload-dir/--max-memory")
         by_file: dict[str, list[str]] = {}
@@ -173,42 +176,12 @@ def free_layer(layer: nn.Module) -> None:
     release_host_memory()
 
 
-def should_stream(config, folder_bytes: float | None = None) -> bool:
-    """Stream from disk: asked for (--offload-dir), or a CPU run whose checkpoint exceeds --max-memory."""
-    if getattr(config, "offload_dir", None):
-        return True
-    cap = parse_memory(getattr(config, "max_memory", None))
-    if cap is None or torch.device(config.device).type != "cpu":
-        return False
-    if folder_bytes is None:
-        try:
-            folder_bytes = sum(f.stat().st_size for f in checkpoint_folder(config.model).glob("*.safetensors"))
-        except Exception:  # noqa: BLE001 - GGUF or unresolvable: load normally
-            return False
-    return folder_bytes > cap
-
-
-def load_for_compression(config) -> tuple[nn.Module, object, LazyWeights | None]:
-    """(model, tokenizer, lazy weights) for `compress`: streamed from disk when `should_stream`
-    (the lazy weights then feed the layers), else loaded into host memory (lazy weights None).
-    Checks --max-memory against the config before reading weights."""
-    check_work_dir(getattr(config, "offload_dir", None), model_inputs(config.model) + local_inputs(config.dataset),
-                   "--offload-dir")
-    if getattr(config, "max_memory", None) or getattr(config, "offload_dir", None):
-        src = resolve(config.model, dense=True)
-        if not src.gguf_file:
-            folder = checkpoint_folder(config.model)
-            model_config = AutoConfig.from_pretrained(folder)
-            get_arch(model_config)
-            size = sum(f.stat().st_size for f in folder.glob("*.safetensors"))
-            cap = parse_memory(config.max_memory)
-            stream = should_stream(config, size)
-            if not stream and cap is not None and torch.device(config.device).type == "cpu":
-                # in RAM the whole model sits beside the working set: stream when both do not fit
-                stream = size + estimate_memory(model_config, config).total > cap
-            check_memory(model_config, config, streamed=stream)
-            if stream:
-                return load_lazy(folder, dtype=config.dtype)
+def load_for_compression(config, resources: Resources) -> tuple[nn.Module, object, LazyWeights | None]:
+    """(model, tokenizer, lazy weights) for `compress`: streamed from the checkpoint folder the resources
+    name (`resources.stream_from`, decided up front by `rana.compress.resources`; the lazy weights then
+    feed the layers), else loaded into host memory (lazy weights None)."""
+    if resources.stream_from is not None:
+        return load_lazy(resources.stream_from, dtype=config.dtype)
     model, tokenizer, _ = load_model(config.model, dtype=config.dtype, device="cpu")
     return model, tokenizer, None
 
@@ -222,5 +195,5 @@ def release_host_memory() -> None:
         pass
 
 
-__all__ = ["LazyWeights", "checkpoint_folder", "load_lazy", "should_stream", "load_for_compression", "set_tensor",
+__all__ = ["LazyWeights", "checkpoint_folder", "load_lazy", "load_for_compression", "set_tensor",
            "named_tensors", "free_layer", "release_host_memory"]

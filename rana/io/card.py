@@ -23,7 +23,9 @@ from typing import Any
 
 from .. import __version__
 from .aliases import ALIASES
-from .format import PLAN, RANA_CONFIG, CompressSettings
+from ..settings import cli_fields
+from .compress_settings import CompressSettings
+from .format import PLAN, RANA_CONFIG
 from ..errors import UserError
 
 RECIPE = "recipe.json"
@@ -33,9 +35,9 @@ RECIPE_VERSION = 1
 
 # package-shipped aliases whose weights are a conversion of a hub model (for `base_model`)
 _ALIAS_BASE_MODELS = {"smollm2-135m": "HuggingFaceTB/SmolLM2-135M-Instruct"}
-# CompressConfig fields that `rana compress` takes as options (the rest only travel in recipes)
-_CLI_FIELDS = ("flops", "method", "allocation", "lm_head", "dataset", "dataset_config", "split", "text_column",
-               "calib_tokens", "seq_len", "batch_size", "dtype", "device", "grid_step", "seed", "max_memory", "offload_dir")
+# the settings `rana compress` takes as options, in its order (the rest only travel in recipes). --weights
+# has never been on the recipe's command line: left out so that recipes stay as earlier versions wrote them
+_CLI_FIELDS = tuple(f.name for f in cli_fields(CompressSettings) if f.name not in ("model", "weights"))
 
 
 class RecipeError(UserError):

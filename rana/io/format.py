@@ -11,7 +11,6 @@ from __future__ import annotations
 import json
 import math
 import os
-from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 
 import torch
@@ -20,8 +19,9 @@ import torch.nn as nn
 from ..archs import set_submodule
 from ..modules.registry import ADAPTER_KINDS, adapter_class, build_adapter, build_order, install_int8, int8_paths
 from ..errors import UserError
+from .compress_settings import CompressSettings  # re-exported: it moved to its own module
+from .version import FORMAT_VERSION
 
-FORMAT_VERSION = 1
 WEIGHTS = "model.safetensors"
 WEIGHTS_INDEX = "model.safetensors.index.json"  # sharded layout, written for models compressed from disk
 RANA_CONFIG = "rana_config.json"
@@ -33,47 +33,6 @@ WEIGHT_FORMATS = ("none", "int8")
 
 class ModelLoadError(UserError):
     """A model reference or folder that cannot be resolved or loaded (user-facing)."""
-
-
-@dataclass
-class CompressSettings:
-    """What one compression was run with, as plan.json (`config`), rana_config.json
-    (`compress_config`) and recipe.json record it; `rana.compress.CompressConfig` adds the checks."""
-
-    model: str
-    flops: float = 0.58
-    method: str = "rana"
-    dataset: str | None = None
-    dataset_config: str | None = None
-    split: str = "train"
-    text_column: str = "text"
-    calib_tokens: int = 32768
-    seq_len: int = 512
-    heldout_fraction: float = 0.125
-    batch_size: int = 8
-    dtype: str = "float32"
-    device: str = "cpu"
-    offload_device: str = "cpu"
-    grid_step: float = 0.125
-    fit_sample_tokens: int = 1024
-    search_tokens: int = 1024
-    seed: int = 0
-    allocation: str = "uniform"  # "uniform" (paper: same fraction everywhere) or "global" (measured sensitivity)
-    max_memory: str | None = None  # cap on compute-device memory, e.g. "2GB" (rana.compress.memory)
-    offload_dir: str | None = None  # stream layers from disk; compressed layers + activations kept here
-    # "auto" (the method's choice), "dense", or "sparse": input sparsity on the LM head's input
-    # (rana.compress.head). Folders record the resolved value; older ones hold "dense".
-    lm_head: str = "auto"
-    # "int8": quantize every linear of the decoder and the LM head last (rana.quantize); "none": full precision
-    weights: str = "none"
-
-    def to_dict(self) -> dict:
-        return {"format_version": FORMAT_VERSION, **asdict(self)}
-
-    @classmethod
-    def from_dict(cls, d: dict):
-        names = {f.name for f in fields(cls)}
-        return cls(**{k: v for k, v in d.items() if k in names})
 
 
 def write_json(path: Path, obj) -> None:

@@ -11,11 +11,11 @@ A check is a function ``(value, field)`` that raises `FieldError`; the combinato
 from __future__ import annotations
 
 import math
-from dataclasses import fields as dataclass_fields
 from typing import Any, Callable
 
 from ..modules.registry import ADAPTER_KINDS
-from .format import FORMAT_VERSION, WEIGHT_FORMATS, CompressSettings, threshold_from_json
+from .compress_settings import recorded_fields
+from .format import FORMAT_VERSION, WEIGHT_FORMATS, threshold_from_json
 from ..errors import UserError
 
 Check = Callable[[Any, str], None]
@@ -122,7 +122,7 @@ def _setting_check(annotation: str) -> Check:
 _SETTINGS_VALUES = {"flops": number(0.0, 1.0), "dtype": text(DTYPE_NAMES), "allocation": text(("uniform", "global")),
                     "lm_head": text(("auto", "dense", "sparse")), "calib_tokens": integer(1), "seq_len": integer(1),
                     "batch_size": integer(1), "format_version": integer(0), "weights": text(WEIGHT_FORMATS)}
-SETTINGS = record({**{f.name: _setting_check(str(f.type)) for f in dataclass_fields(CompressSettings)},
+SETTINGS = record({**{f.name: _setting_check(str(f.type)) for f in recorded_fields()},
                    **_SETTINGS_VALUES})
 
 

@@ -159,12 +159,17 @@ def unregister(name: str) -> Method:
 RENAMED = {"rana-wina": "wina"}  # old name -> new name, for the one-line error an old command gets
 
 
+def renamed_hint(name: str) -> str | None:
+    """The hint an old method name's error carries ("renamed 'NEW'"), else None."""
+    return f"renamed '{RENAMED[name]}'" if name in RENAMED else None
+
+
 def get_method(name: str) -> Method:
     try:
         return _REGISTRY[name]
     except KeyError:
-        hint = f" (renamed '{RENAMED[name]}')" if name in RENAMED else ""
-        raise ValueError(f"unknown method '{name}'{hint}") from None
+        hint = renamed_hint(name)
+        raise ValueError(f"unknown method '{name}'{f' ({hint})' if hint else ''}") from None
 
 
 def names(*, ablations: bool | None = None) -> tuple[str, ...]:

@@ -32,13 +32,14 @@ import math
 import os
 import time
 from pathlib import Path
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
 import torch
 import torch.nn as nn
 
 from ..accounting import metering
 from ..archs import decoder_layers, get_arch, set_submodule, stubbed_decoder_layers
+from ..checks import check_writable_dir
 from ..data import DataError, calibration_batches, load_texts, tokenize_stream
 from ..io.folder import check_folder, is_rana_dir, load, read_meta, read_plan, save
 from ..io.format import WEIGHT_FORMATS
@@ -52,6 +53,9 @@ from ..modules.neuron_linear import (InputSparseHead, InputSparseLinear, NeuronT
 from ..modules.rank_linear import RankAdapterLinear, RankSliceLinear, SharedRankCode
 from ..modules.registry import int8_form, int8_paths
 from ..errors import UserError
+
+if TYPE_CHECKING:  # config.py builds on this module
+    from .config import QuantizeConfig
 
 SCORE_ELEMENTS = 1 << 24  # scores kept per adapter while refitting its threshold (rows × mask width)
 DEFAULT_CALIB_TOKENS = 8192
@@ -392,14 +396,17 @@ def calibration_ids(tokenizer, dataset: str | None, calib_tokens: int, seq_len: 
         return attempt(None)
 
 
-def quantize_folder(src: str | Path, out: str | Path, *, weights: str = "int8", dataset: str | None = None,
-                    calib_tokens: int = DEFAULT_CALIB_TOKENS, seq_len: int | None = None, batch_size: int = 8,
-                    seed: int = 0, overwrite: bool = False,
+def quantize_folder(config: QuantizeConfig,
                     progress: Callable[[str, int, int], None] | None = None) -> tuple[Path, dict]:
-    """`rana quantize SRC --weights int8 --out OUT`: the rana folder `src` with int8 weights, written
-    atomically to `out`; returns (out, the quantization report). `calib_tokens` 0: no calibration."""
-    check_weights(weights)
-    src, out = Path(os.path.expanduser(str(src))), Path(os.path.expanduser(str(out)))
+    """`rana quantize SRC --weights int8 --out OUT`: the rana folder `config.src` with int8 weights, written
+    atomically to `config.out`; returns (out, the quantization report). `calib_tokens` 0: no calibration.
+    Everything is checked before the folder is loaded (--weights, the folders, the calibration sizes)."""
+    check_weights(config.weights)
+    check_writable_dir(config.out, "--out")
+    # the settings under the names the steps below use
+    weights, dataset, calib_tokens, seq_len = config.weights, config.dataset, config.calib_tokens, config.seq_len
+    batch_size, seed, overwrite = config.batch_size, config.seed, config.overwrite
+    src, out = Path(os.path.expanduser(str(config.src))), Path(os.path.expanduser(str(config.out)))
     if not src.exists():
         raise FileNotFoundError(f"'{src}' does not exist; pass a rana folder written by `rana compress`")
     if not is_rana_dir(src):
@@ -407,10 +414,7 @@ def quantize_folder(src: str | Path, out: str | Path, *, weights: str = "int8", 
     if out.exists() and not overwrite:
         raise OutputExistsError(f"output folder '{out}' already exists; choose another --out or pass --overwrite")
     check_output(out, [src], overwrite=overwrite)
-    if calib_tokens < 0:
-        raise QuantizeError(f"--calib-tokens must be 0 (no calibration) or positive, got {calib_tokens}")
-    if batch_size < 1:
-        raise QuantizeError(f"--batch-size must be a positive integer, got {batch_size}")
+    config.validate()
     check_folder(src)
     meta = read_meta(src)
     if meta.get("weights", "none") == "int8":

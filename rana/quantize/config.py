@@ -1,0 +1,37 @@
+"""`QuantizeConfig`: what `rana quantize` is asked to do, each option written once (`rana.settings`)."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+from ..settings import Settings, setting
+from .run import DEFAULT_CALIB_TOKENS, QuantizeError
+
+
+@dataclass
+class QuantizeConfig(Settings):
+    src: Path = setting(help="rana folder written by `rana compress` / `rana finetune`", argument=True, required=True)
+    weights: str = setting("int8", "int8: symmetric per-output-channel int8 for every linear of the decoder and the LM "
+                                   "head, fp32 scales, thresholds refit on the quantized model's activations",
+                           flags=("--weights",), required=True)
+    out: Path = setting(None, "output folder (must not exist unless --overwrite)", flags=("--out", "-o"), required=True)
+    dataset: str | None = setting(None, "calibration text: local .txt/.jsonl/.parquet file or folder, or a hub dataset "
+                                        "(default: bundled corpus)")
+    calib_tokens: int = setting(DEFAULT_CALIB_TOKENS, "calibration tokens for the scales and the threshold refit (0: "
+                                                      "max-abs scales, thresholds kept)", flags=("--calib-tokens",))
+    seq_len: int | None = setting(None, "calibration window (default: the folder's compression setting, else 512)",
+                                  flags=("--seq-len",))
+    batch_size: int = setting(8, "windows per calibration forward", flags=("--batch-size",))
+    seed: int = setting(0)
+    overwrite: bool = setting(False, "replace an existing --out folder")
+
+    def validate(self) -> None:
+        """The calibration sizes (QuantizeError). `rana.quantize.quantize_folder` checks --weights first, then
+        the folders, then these."""
+        if self.calib_tokens < 0:
+            raise QuantizeError(f"--calib-tokens must be 0 (no calibration) or positive, got {self.calib_tokens}")
+        if self.batch_size < 1:
+            raise QuantizeError(f"--batch-size must be a positive integer, got {self.batch_size}")
+
+
+__all__ = ["QuantizeConfig"]
