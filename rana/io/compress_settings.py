@@ -2,7 +2,8 @@
 (`rana.settings.setting`: default, help text, spelling on the command line).
 
 `rana compress`'s options are generated from these fields (plus the command's own `--out`,
-`--overwrite` and `--recipe`, which `rana.compress.CompressConfig` adds), in field order; the fields
+`--overwrite` and `--recipe`, which `rana.compress.CompressConfig` adds), in field order, which is
+the order folders have always recorded the settings in (a new setting goes last); the fields
 made with ``cli=False`` travel only in recipes and library calls. Folders record the settings
 (`to_dict`: plan.json's `config`, rana_config.json's `compress_config`, recipe.json), and the recipe's
 equivalent command line is built from the same fields (`rana.io.card`).
@@ -31,13 +32,6 @@ class CompressSettings(Settings):
                               "with --recipe)", argument=True, cli_default=None)
     flops: float = setting(0.58, "fraction of the dense model's per-token FLOPs to keep, in (0, 1]", flags=("--flops",))
     method: str = setting("rana", _method_help)
-    allocation: str = setting("uniform", "FLOP allocation across layers: uniform (paper) | global (by measured "
-                                         "sensitivity)")
-    # folders record the resolved value (rana.compress.head), never "auto"; older ones hold "dense"
-    lm_head: str = setting("auto", "auto: the method's choice (rana: sparse; the peers as published: dense) | dense: "
-                                   "the LM head stays dense and the layers absorb the whole cut | sparse: input sparsity "
-                                   "|x_j| ≥ t on the head's input, the same fraction of its MACs as every adapted "
-                                   "projection (tied embeddings stay tied)", flags=("--lm-head",))
     dataset: str | None = setting(None, "calibration text: hub dataset name or local .txt/.jsonl/.parquet file or "
                                         "folder (default: bundled corpus)")
     dataset_config: str | None = setting(None, "hub dataset config name")
@@ -54,15 +48,22 @@ class CompressSettings(Settings):
     fit_sample_tokens: int = setting(1024, cli=False)  # fit tokens sampled for the thresholds' searches
     search_tokens: int = setting(1024, cli=False)  # held-aside tokens the searches measure errors on
     seed: int = setting(0)
+    allocation: str = setting("uniform", "FLOP allocation across layers: uniform (paper) | global (by measured "
+                                         "sensitivity)")
     max_memory: str | None = setting(None, "cap on the compute device's memory, e.g. 2GB or 80GiB: checked against "
                                            "one layer's need before any work; on a CPU device a bigger checkpoint is "
                                            "streamed from disk", flags=("--max-memory",))
-    weights: str = setting("none", "none: full-precision weights | int8: quantize every linear of the decoder and the "
-                                   "LM head last (per-output-channel int8, fp32 scales), thresholds refit on the "
-                                   "quantized model", flags=("--weights",))
     offload_dir: str | None = setting(None, "stream the decoder layers from the checkpoint's safetensors one at a "
                                             "time; compressed layers and calibration activations are kept here",
                                       flags=("--offload-dir",), cli_type=Path)
+    # folders record the resolved value (rana.compress.head), never "auto"; older ones hold "dense"
+    lm_head: str = setting("auto", "auto: the method's choice (rana: sparse; the peers as published: dense) | dense: "
+                                   "the LM head stays dense and the layers absorb the whole cut | sparse: input sparsity "
+                                   "|x_j| ≥ t on the head's input, the same fraction of its MACs as every adapted "
+                                   "projection (tied embeddings stay tied)", flags=("--lm-head",))
+    weights: str = setting("none", "none: full-precision weights | int8: quantize every linear of the decoder and the "
+                                   "LM head last (per-output-channel int8, fp32 scales), thresholds refit on the "
+                                   "quantized model", flags=("--weights",))
 
     def to_dict(self) -> dict:
         return {"format_version": FORMAT_VERSION, **{f.name: getattr(self, f.name) for f in recorded_fields()}}
@@ -73,19 +74,10 @@ class CompressSettings(Settings):
         return cls(**{k: v for k, v in d.items() if k in names})
 
 
-# The order folders have always listed the settings in (plan.json, rana_config.json, recipe.json): the
-# fields above follow the command line's order instead. A setting added later is recorded after these.
-_RECORD_ORDER = ("model", "flops", "method", "dataset", "dataset_config", "split", "text_column", "calib_tokens",
-                 "seq_len", "heldout_fraction", "batch_size", "dtype", "device", "offload_device", "grid_step",
-                 "fit_sample_tokens", "search_tokens", "seed", "allocation", "max_memory", "offload_dir", "lm_head",
-                 "weights")
-
-
 def recorded_fields() -> list:
     """The fields of `CompressSettings` in the order folders record them (`to_dict`, and the schema that
-    checks a folder's record)."""
-    rank = {name: i for i, name in enumerate(_RECORD_ORDER)}
-    return sorted(fields(CompressSettings), key=lambda f: rank.get(f.name, len(rank)))
+    checks a folder's record): field order, which is also the order of `rana compress`'s options."""
+    return list(fields(CompressSettings))
 
 
 __all__ = ["CompressSettings", "recorded_fields"]
