@@ -16,6 +16,10 @@ What `setting` records in the field's metadata:
 * ``cli_type``: what the command line parses when it is not the field's type (``Path`` for a path
   kept as ``str``, ``str`` for a comma list the dataclass splits);
 * ``cli_default``: the default the command line shows when it is not the field's (``"2M"`` tokens).
+
+A command made of other commands' settings (the sweep: a compression and an evaluation per point)
+takes their fields with `borrowed`: default, help and spellings come from the owner's field, so none of
+them is defined twice; the borrowing class changes only what its command line says differently.
 """
 from __future__ import annotations
 
@@ -32,6 +36,15 @@ def setting(default: Any = MISSING, help: str | None = None, *, default_factory:
     metadata = {"help": help, "flags": tuple(flags), "argument": argument, "required": required, "cli": cli,
                 "cli_type": cli_type, "cli_default": cli_default}
     return dataclasses.field(default=default, default_factory=default_factory, metadata=metadata)
+
+
+def borrowed(owner: type, name: str, **changes: Any) -> Any:
+    """Field `name` of settings class `owner`, taken whole (default, help text, spellings), with `changes` to
+    its command-line description (e.g. ``help=``: what the borrowing command does with it).
+    `Settings.borrowed_values(owner)` gives the values to build an `owner` from."""
+    source = {f.name: f for f in dataclasses.fields(owner)}[name]
+    metadata = {**source.metadata, **changes, "borrowed": (owner, name)}
+    return dataclasses.field(default=source.default, default_factory=source.default_factory, metadata=metadata)
 
 
 def cli_fields(cls) -> list[Field]:
@@ -64,6 +77,11 @@ class Settings:
     def validate(self) -> None:
         """Check every setting (one UserError naming the option); the base has nothing to check."""
 
+    def borrowed_values(self, owner: type) -> dict:
+        """The values of the fields borrowed from `owner` (`borrowed`), by the owner's field names."""
+        return {f.metadata["borrowed"][1]: getattr(self, f.name) for f in dataclasses.fields(self)
+                if f.metadata.get("borrowed", (None,))[0] is owner}
+
 
 def _plain(value: Any, f: Field) -> Any:
     if isinstance(value, PurePath) and "Path" not in str(f.type):
@@ -71,4 +89,4 @@ def _plain(value: Any, f: Field) -> Any:
     return value
 
 
-__all__ = ["setting", "cli_fields", "option_name", "Settings"]
+__all__ = ["setting", "borrowed", "cli_fields", "option_name", "Settings"]

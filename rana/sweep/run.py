@@ -13,123 +13,23 @@ import gc
 import json
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import torch
 
-from ..compress import BudgetError, CompressConfig, calibration_data, compress_model
-from ..compress.head import check_lm_head, resolve_lm_head
+from ..checks import check_inputs
+from ..compress import BudgetError, calibration_data, compress_model
+from ..data import check_source
 from ..evaluation import Progress, evaluate_model, ppl_protocol, rank_adapters, rank_contributions, text_labels
-from ..evaluation.perplexity import PplProtocol, ppl_preset, protocol_tokens
+from ..evaluation.perplexity import protocol_tokens
 from ..io import save
 from ..io.format import write_json
-from ..io.models import load_model, model_inputs
+from ..io.models import load_model, model_inputs, resolve
 from ..io.paths import SWEEP_KIND, check_output, claim_folder, local_inputs
-from ..methods import METHODS, get_method
+from .config import SweepConfig
 from .report import DENSE, describe_point, layer_summary, point_name, write_outputs
 
 Log = Callable[[str], None]
-
-
-@dataclass
-class SweepConfig:
-    model: str
-    out: Path
-    ppl_data: list[str] = field(default_factory=list)
-    methods: list[str] = field(default_factory=lambda: ["rana", "cats", "svd", "teal"])
-    flops: list[float] = field(default_factory=lambda: [0.85, 0.7, 0.58])
-    dense: bool = True
-    dataset: str | None = CompressConfig.dataset
-    dataset_config: str | None = CompressConfig.dataset_config
-    split: str = CompressConfig.split
-    text_column: str = CompressConfig.text_column
-    calib_tokens: int = CompressConfig.calib_tokens
-    seq_len: int = CompressConfig.seq_len
-    eval_tokens: int | None = None  # cap per evaluation text (None: whole text)
-    ppl_protocol: str = "rana"  # perplexity preset: rana (seq_len windows) | gptq | teal (their own windows)
-    batch_size: int = CompressConfig.batch_size  # calibration forward
-    eval_batch_size: int = 4
-    figure_flops: float | None = None  # budget for the per-layer figures (default: the smallest)
-    histogram_tokens: int = 2048
-    dtype: str = CompressConfig.dtype
-    device: str = CompressConfig.device
-    grid_step: float = CompressConfig.grid_step
-    allocation: str = CompressConfig.allocation  # uniform (paper) or global (per-layer, measured)
-    lm_head: str = CompressConfig.lm_head  # auto (each method's own), dense, or sparse: as `rana compress --lm-head`
-    seed: int = CompressConfig.seed
-    save_models: bool = False
-
-    def __post_init__(self) -> None:
-        self.out = Path(self.out)
-        methods = [m.strip() for m in self.methods if m.strip()]
-        if DENSE in methods:
-            self.dense = True
-        self.methods = [m for m in dict.fromkeys(methods) if m != DENSE]
-        self.flops = [float(f) for f in dict.fromkeys(self.flops)]
-        self.ppl_data = [str(p) for p in self.ppl_data]
-
-    def validate(self) -> None:
-        bad = [m for m in self.methods if m not in METHODS]
-        if bad:
-            raise ValueError(f"unknown method(s) {', '.join(bad)} (choose from dense, {', '.join(METHODS)})")
-        if not self.methods and not self.dense:
-            raise ValueError("nothing to run: pass --methods (and/or --dense)")
-        if self.methods and not self.flops:
-            raise ValueError("pass at least one --flops budget")
-        for f in self.flops:
-            if not 0.0 < f <= 1.0:
-                raise ValueError(f"--flops must be in (0, 1], got {f}: it is the fraction of the dense model's FLOPs to keep")
-        if not self.ppl_data:
-            raise ValueError("pass at least one --ppl-data text to evaluate on (never the calibration text)")
-        check_lm_head(self.lm_head)
-        if self.eval_batch_size < 1:
-            raise ValueError(f"--eval-batch-size must be a positive integer, got {self.eval_batch_size}")
-        window = self.eval_protocol().window
-        if self.eval_tokens is not None and self.eval_tokens < window:
-            raise ValueError(f"--eval-tokens ({self.eval_tokens}) must be at least one perplexity window ({window} tokens)")
-        if self.figure_flops is not None and self.methods and not any(abs(self.figure_flops - f) < 1e-9 for f in self.flops):
-            raise ValueError(f"--figure-flops {self.figure_flops} is not one of the --flops budgets")
-        self.compress_config(self.methods[0] if self.methods else "rana", self.flops[0] if self.flops else 1.0).validate()
-
-    def compress_config(self, method: str, flops: float) -> CompressConfig:
-        return CompressConfig(model=self.model, flops=flops, method=method, dataset=self.dataset,
-                              dataset_config=self.dataset_config, split=self.split, text_column=self.text_column,
-                              calib_tokens=self.calib_tokens, seq_len=self.seq_len, batch_size=self.batch_size,
-                              dtype=self.dtype, device=self.device, grid_step=self.grid_step, seed=self.seed,
-                              allocation=self.allocation, lm_head=self.lm_head)
-
-    def eval_protocol(self) -> PplProtocol:
-        """The perplexity protocol: `rana` windows are `seq_len` long, the other presets keep their own."""
-        return ppl_preset(self.ppl_protocol, self.seq_len if self.ppl_protocol == "rana" else None)
-
-    def eval_settings(self) -> dict:
-        """What a point's evaluation depends on (a stored point is reused only if these match)."""
-        settings = {"model": self.model, "ppl_data": self.ppl_data, "eval_tokens": self.eval_tokens,
-                    "seq_len": self.seq_len, "dtype": self.dtype}
-        if self.ppl_protocol != "rana":  # points stored before presets existed stay valid for rana
-            settings["ppl_protocol"] = self.ppl_protocol
-        return settings
-
-    def compress_settings(self, method: str) -> dict:
-        """What a point's compression depends on, besides method and budget."""
-        settings = {"dataset": self.dataset, "dataset_config": self.dataset_config, "split": self.split,
-                    "text_column": self.text_column, "calib_tokens": self.calib_tokens, "grid_step": self.grid_step,
-                    "allocation": self.allocation, "seed": self.seed}
-        lm_head = resolve_lm_head(self.lm_head, get_method(method).lm_head)
-        if lm_head != "dense":  # points stored before --lm-head existed stay valid for a dense head
-            settings["lm_head"] = lm_head
-        return settings
-
-    def figure_budget(self) -> float | None:
-        if self.figure_flops is not None:
-            return self.figure_flops
-        return min(self.flops) if self.flops else None
-
-    def to_dict(self) -> dict:
-        d = asdict(self)
-        d["out"] = str(self.out)
-        return d
 
 
 def _read_point(path: Path) -> dict | None:
@@ -200,9 +100,7 @@ class Sweep:
 
     def _evaluate(self, model) -> dict:
         _, tok = self.model()
-        return evaluate_model(model, tok, ppl_data=self.tokens(), ppl_protocol=self.cfg.ppl_protocol,
-                              seq_len=self.cfg.seq_len if self.cfg.ppl_protocol == "rana" else None,
-                              batch_size=self.cfg.eval_batch_size, progress=self.progress)
+        return evaluate_model(model, tok, self.cfg.eval_config(self.tokens()), progress=self.progress)
 
     def _run_dense(self) -> dict:
         model, _ = self.model()
@@ -293,8 +191,22 @@ class Sweep:
         }
 
 
-def run_sweep(config: SweepConfig, *, progress: Progress | None = None, log: Log | None = None) -> dict:
-    """Run (or resume) a sweep and write its outputs under `config.out`; returns results.json's content."""
+def preflight(config: SweepConfig) -> None:
+    """Every check `rana sweep` makes before the model loads: the settings, the model (a dense one), the
+    output folder (new, or a sweep's to resume), the windows against the model's positions, the texts."""
+    config.validate()
+    resolve(config.model, dense=True)  # an unknown model, or a rana folder
     check_output(config.out, model_inputs(config.model) + local_inputs(config.dataset, *config.ppl_data),
                  resumable=(SWEEP_KIND,))
+    check_inputs(config.model, seq_len=max(config.seq_len, config.eval_protocol().window), out=config.out,
+                 out_inside=True, data=list(config.ppl_data))
+    check_source(config.dataset, "--dataset")
+
+
+def run_sweep(config: SweepConfig, *, progress: Progress | None = None, log: Log | None = None,
+              checked: bool = False) -> dict:
+    """Run (or resume) a sweep and write its outputs under `config.out`; returns results.json's content.
+    `checked`: `preflight(config)` has run (else it runs here)."""
+    if not checked:
+        preflight(config)
     return Sweep(config, progress=progress, log=log).run()
