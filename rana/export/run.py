@@ -67,6 +67,7 @@ from ..quantizer import WEIGHTS_GUARD, quantization_config_dict
 from ..checks import check_writable_dir
 from .config import FORMATS, ExportConfig
 from .render import CONFIG_FILE, MODELING_FILE, render_sources
+from ..errors import UserError
 
 # rana-folder files that describe the rana format itself, not the exported model
 _NOT_COPIED = {"config.json", "rana_config.json", "model.safetensors", "model.safetensors.index.json"}
@@ -124,7 +125,7 @@ def write_weights(state: dict, folder: Path, max_shard_size: int | str) -> list[
 # --------------------------------------------------------------------------------------------
 def _check_out_name(out: Path) -> None:
     if "." in out.name:
-        raise ValueError(f"export folder name '{out.name}' contains a '.', which breaks transformers' remote-code "
+        raise UserError(f"export folder name '{out.name}' contains a '.', which breaks transformers' remote-code "
                          "module path (the folder name becomes a Python module name); choose a name without dots, "
                          f"e.g. '{out.name.replace('.', '_')}'")
 
@@ -196,10 +197,10 @@ def export(src_dir: str | Path, out_dir: str | Path, *, overwrite: bool = False,
     src, out = Path(src_dir), Path(out_dir)
     check_writable_dir(out, "--out")
     if format not in FORMATS:
-        raise ValueError(f"unknown export format '{format}'; choose one of {', '.join(FORMATS)}")
+        raise UserError(f"unknown export format '{format}'; choose one of {', '.join(FORMATS)}")
     _check_out_name(out)
     if not rana_io.is_rana_dir(src):
-        raise ValueError(f"'{src}' is not a rana folder (no {rana_io.RANA_CONFIG}); produce one with `rana compress`")
+        raise UserError(f"'{src}' is not a rana folder (no {rana_io.RANA_CONFIG}); produce one with `rana compress`")
     if out.exists() and not overwrite:
         raise rana_io.OutputExistsError(f"output folder '{out}' already exists; choose another --out or pass --overwrite")
     check_output(out, [src], overwrite=overwrite)  # never the source, a folder holding it, or someone else's folder

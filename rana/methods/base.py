@@ -27,6 +27,7 @@ from ..math.search import RankChoice
 from ..math.sparse_lowrank import Svd
 from ..modules import (InputSparseLinear, NeuronThresholdLinear, RankAdapterLinear, RankSliceLinear, SharedRankCode,
                        SparseLowRankLinear, link_layer)
+from ..errors import UserError
 
 # ---------------------------------------------------------------------------- what a step sees
 
@@ -169,7 +170,7 @@ def get_method(name: str) -> Method:
         return _REGISTRY[name]
     except KeyError:
         hint = renamed_hint(name)
-        raise ValueError(f"unknown method '{name}'{f' ({hint})' if hint else ''}") from None
+        raise UserError(f"unknown method '{name}'{f' ({hint})' if hint else ''}") from None
 
 
 def names(*, ablations: bool | None = None) -> tuple[str, ...]:

@@ -6,6 +6,7 @@ from ..archs import ArchSpec, set_submodule
 from ..math.masks import subsample_rows, threshold_for_keep_fraction
 from ..modules import CatsActivation
 from .base import InputStats, LayerContext, MemoryNeed, Method, Step, adapter_entry, register, summary
+from ..errors import UserError
 
 
 def unsupported(spec: ArchSpec) -> str | None:
@@ -24,7 +25,7 @@ def mlp(ctx: LayerContext, stats: dict[str, InputStats]) -> dict:
     spec = ctx.spec
     paths = spec.mlp_paths()
     if "gate" not in paths:
-        raise ValueError(unsupported(spec) or "CATS needs a gated MLP")
+        raise UserError(unsupported(spec) or "CATS needs a gated MLP")
     gate, act = ctx.module(paths["gate"]), ctx.module(spec.act_path())
     inter, hidden = gate.weight.shape
     # gate dense (h·I) + kept rows of up and columns of down (2·h·k) = f · 3·h·I

@@ -45,6 +45,7 @@ from ..archs.base import UnsupportedArchitectureError
 from .base import MemoryNeed, Method, Step, function_preserving, register
 from .rana import Candidates, rana_method
 from .teal import down, o_projection, qkv, up_gate
+from ..errors import UserError
 
 
 def unsupported(spec: ArchSpec) -> str | None:
@@ -133,7 +134,7 @@ def rotation_statistics(model: nn.Module, spec: ArchSpec, sequences: torch.Tenso
         for h in hooks:
             h.remove()
     if not torch.isfinite(residual).all():
-        raise ValueError("larosa: the calibration activations are not finite; cannot fit a rotation")
+        raise UserError("larosa: the calibration activations are not finite; cannot fit a rotation")
     return {"residual": residual, "heads": heads, "n_heads": n_heads, "n_kv": n_kv}
 
 
