@@ -12,7 +12,7 @@ import torch.nn as nn
 
 from ..archs import decoder_layers, get_arch
 from ..data import eval_windows
-from ..modules import RankAdapterLinear, SharedRankCode
+from ..modules.registry import declared
 from .common import model_device
 
 
@@ -106,8 +106,8 @@ def layer_errors(model: nn.Module, dense_model: nn.Module, tokens: torch.Tensor,
 
 
 def rank_adapters(model: nn.Module) -> dict[str, nn.Module]:
-    """Modules that compute a rank code `z = B x` (RankAdapterLinear, SharedRankCode)."""
-    return {n: m for n, m in model.named_modules() if isinstance(m, (RankAdapterLinear, SharedRankCode))}
+    """Modules that compute a rank code `z = B x` (their kind's `rank_code`: RankAdapterLinear, SharedRankCode)."""
+    return {n: m for n, m in model.named_modules() if declared(m, "rank_code")}
 
 
 @torch.no_grad()
