@@ -12,6 +12,7 @@ import torch.nn as nn
 
 from ..archs import decoder_layers, get_arch
 from ..data import eval_windows
+from ..errors import UserError
 from ..modules.registry import declared
 from .common import model_device
 
@@ -49,7 +50,7 @@ def layer_errors(model: nn.Module, dense_model: nn.Module, tokens: torch.Tensor,
         return [{"layer": i, **{k: v for part in ("attention", "o", "mlp") for k, v in ((part, 0.0), (f"{part}_adapted", False))}}
                 for i in range(len(layers))]
     if len(layers) != len(dense_layers):
-        raise ValueError(f"model has {len(layers)} layers, dense model {len(dense_layers)}: not the same architecture")
+        raise UserError(f"model has {len(layers)} layers, dense model {len(dense_layers)}: not the same architecture")
     dense_device = model_device(dense_model)
     acc: dict[tuple[int, str], list[float]] = {}
     adapted: dict[tuple[int, str], bool] = {}

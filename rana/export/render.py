@@ -27,6 +27,7 @@ import transformers
 
 from ..archs import base as _archs_base
 from ..archs import get_arch
+from ..errors import UserError
 from ..modules.registry import adapter_classes
 
 TEMPLATE_DIR = Path(__file__).parent / "template"
@@ -172,7 +173,7 @@ def _stock_import(cls: type, alias: str) -> str:
     if getattr(transformers, cls.__name__, None) is cls:
         return f"from transformers import {cls.__name__} as {alias}"
     if not cls.__module__.startswith("transformers."):
-        raise ValueError(f"cannot export a model whose class {cls.__module__}.{cls.__name__} is not part of "
+        raise UserError(f"cannot export a model whose class {cls.__module__}.{cls.__name__} is not part of "
                          "transformers (remote-code source models are not supported)")
     return f"from {cls.__module__} import {cls.__name__} as {alias}"
 

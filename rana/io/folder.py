@@ -23,6 +23,7 @@ from safetensors.torch import load_file, save_file
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
 from ..archs import ArchSpec, get_arch
+from ..errors import UserError
 from ..modules.rebuild import failed_stage, finish_rana, install_rana
 from ..modules.registry import ADAPTER_KINDS
 from .card import write_folder_card
@@ -195,7 +196,7 @@ def load(path: Path | str, *, device: str = "cpu", dtype: torch.dtype | None = N
     """(model, tokenizer) from a rana folder."""
     path = Path(path)
     if not is_rana_dir(path):
-        raise ValueError(f"'{path}' is not a rana folder (no {RANA_CONFIG}); produce one with `rana compress`")
+        raise UserError(f"'{path}' is not a rana folder (no {RANA_CONFIG}); produce one with `rana compress`")
     meta = read_meta(path)
     read_plan(path)  # every field rana reads back, checked before the model is built
     saved_dtype = getattr(torch, meta.get("dtype", "float32"))
