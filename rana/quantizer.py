@@ -9,10 +9,9 @@ record their quantization::
 
 With this module registered (`rana.hf_hook` registers it when transformers' quantizer table is
 imported, in any process where rana is installed), ``AutoModelForCausalLM.from_pretrained(folder)``
-builds the stock class, and the quantizer swaps in empty adapters of the recorded shapes (the
-adapter registry `rana.modules.registry`, as `rana.load` does) before transformers loads every
-weight by its ordinary key; afterwards the decode layouts, column norms, thresholds and decode groups
-are put right as `rana.load` leaves them.
+builds the stock class, and the quantizer swaps in empty adapters of the recorded shapes before
+transformers loads every weight by its ordinary key; afterwards the decode layouts, column norms,
+thresholds and decode groups are put right: the rebuild `rana.load` runs (`rana.modules.rebuild`).
 
 Without rana, transformers only warns about an unknown quant_method and would load the stock model
 with random projections. The export therefore also writes ``transformers_weights`` (the config
@@ -30,18 +29,12 @@ from transformers.quantizers.base import HfQuantizer
 from transformers.utils.quantization_config import QuantizationConfigMixin
 
 from .archs import get_arch
-from .modules import NeuronThresholdLinear, link_decode_groups
-from .modules.common import restore_layouts
-from .modules.laurel import LaurelConfig, apply_laurel
-from .modules.neuron_linear import InputSparseHead
-from .modules.registry import ADAPTER_CLASSES, INT8_CLASSES
+from .modules.rebuild import FP32_BUFFERS, finish_rana, install_rana
 
 QUANT_METHOD = "rana"
 # what plain transformers prints (after "...neither a safetensors file ... nor an index file:") when rana is absent
 WEIGHTS_GUARD = ("this model was compressed with rana: `pip install rana` to load it with its quantizer "
                  "(or pass trust_remote_code=True to run the code shipped in the folder)")
-# masks compare against these, and int8 weights are scaled by weight_scale: never rounded to bf16 / fp16
-FP32_BUFFERS = ("threshold", "column_norms", "weight_scale")
 
 
 class RanaQuantizationConfig(QuantizationConfigMixin):
@@ -82,13 +75,11 @@ def drop_weights_guard(config):
 def prepare_model(model: nn.Module, qconfig: RanaQuantizationConfig) -> None:
     """Before the weights load (the model on the meta device): empty adapters of the recorded shapes,
     LAuReL residuals, and thresholds kept float32 whatever dtype the rest loads in."""
-    from .io.format import install_empty_adapters, install_weights  # rana.io imports transformers' auto classes: not at import
+    from .io.format import RANA_CONFIG  # rana.io imports transformers' auto classes: not at import
 
     dtype = next(model.parameters()).dtype
-    install_empty_adapters(model, qconfig.adapters, dtype)
-    install_weights(model, {"weights": getattr(qconfig, "weights", None) or "none", "int8": getattr(qconfig, "int8", None)})
-    if qconfig.laurel:
-        apply_laurel(model, LaurelConfig.from_dict(dict(qconfig.laurel)))
+    install_rana(model, {"adapters": qconfig.adapters, "weights": getattr(qconfig, "weights", None) or "none",
+                         "int8": getattr(qconfig, "int8", None), "laurel": qconfig.laurel}, dtype, record_name=RANA_CONFIG)
     strict = list(getattr(model, "_keep_in_fp32_modules_strict", None) or [])
     model._keep_in_fp32_modules_strict = strict + [b for b in FP32_BUFFERS if b not in strict]
 
@@ -103,32 +94,8 @@ def finalize_model(model: nn.Module, qconfig: RanaQuantizationConfig) -> nn.Modu
     the same way, so both paths give the same masks, logits and tokens."""
     from .io.folder import check_thresholds  # (see prepare_model)
 
-    adapters = tuple(ADAPTER_CLASSES)
-    for module in model.modules():
-        if type(module) in INT8_CLASSES:  # int8 codes row-major (in × out), scales float32
-            q, scale = module._buffers["qweight"], module._buffers["weight_scale"]
-            if not q.is_contiguous():
-                module._buffers["qweight"] = q.contiguous()
-            if scale.dtype != torch.float32:
-                module._buffers["weight_scale"] = scale.float()
-            if not isinstance(module, adapters):
-                continue
-        if not isinstance(module, adapters):
-            continue
-        restore_layouts(module)
-        for name in FP32_BUFFERS:
-            buf = module._buffers.get(name)
-            if buf is not None and buf.dtype != torch.float32:
-                module._buffers[name] = buf.float()
-        if isinstance(module, NeuronThresholdLinear):
-            module.refresh_norms()
-        elif (isinstance(module, InputSparseHead) and type(module) not in INT8_CLASSES
-              and module.weight is not model.get_input_embeddings().weight):
-            module.column_major_()  # an untied head's own weight (a tied one stays the embedding's)
-        if hasattr(module, "reset_meter"):
-            module.reset_meter()  # the meter's counters were made on the meta device
+    finish_rana(model, get_arch(model.config))
     check_thresholds(model, qconfig.adapters, getattr(model.config, "name_or_path", "") or "the checkpoint")
-    link_decode_groups(model, get_arch(model.config))
     return model
 
 

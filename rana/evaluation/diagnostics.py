@@ -12,7 +12,8 @@ import torch.nn as nn
 
 from ..archs import decoder_layers, get_arch
 from ..data import eval_windows
-from ..modules import RankAdapterLinear, SharedRankCode
+from ..errors import UserError
+from ..modules.registry import declared
 from .common import model_device
 
 
@@ -49,7 +50,7 @@ def layer_errors(model: nn.Module, dense_model: nn.Module, tokens: torch.Tensor,
         return [{"layer": i, **{k: v for part in ("attention", "o", "mlp") for k, v in ((part, 0.0), (f"{part}_adapted", False))}}
                 for i in range(len(layers))]
     if len(layers) != len(dense_layers):
-        raise ValueError(f"model has {len(layers)} layers, dense model {len(dense_layers)}: not the same architecture")
+        raise UserError(f"model has {len(layers)} layers, dense model {len(dense_layers)}: not the same architecture")
     dense_device = model_device(dense_model)
     acc: dict[tuple[int, str], list[float]] = {}
     adapted: dict[tuple[int, str], bool] = {}
@@ -106,8 +107,8 @@ def layer_errors(model: nn.Module, dense_model: nn.Module, tokens: torch.Tensor,
 
 
 def rank_adapters(model: nn.Module) -> dict[str, nn.Module]:
-    """Modules that compute a rank code `z = B x` (RankAdapterLinear, SharedRankCode)."""
-    return {n: m for n, m in model.named_modules() if isinstance(m, (RankAdapterLinear, SharedRankCode))}
+    """Modules that compute a rank code `z = B x` (their kind's `rank_code`: RankAdapterLinear, SharedRankCode)."""
+    return {n: m for n, m in model.named_modules() if declared(m, "rank_code")}
 
 
 @torch.no_grad()

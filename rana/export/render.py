@@ -1,10 +1,13 @@
 """The remote code an export ships, rendered from rana's own sources and checked.
 
-The adapter modules, the masked-GEMV kernels and LAuReL are copied flat (`SHIPPED_MODULES`) with
-their imports of one another rewritten to flat relative imports (``from ..kernels.masked_gemv
-import`` → ``from .masked_gemv import``, ``from rana.archs import`` → ``from .archspec import``);
-``archspec.py`` is ``rana.archs.base`` plus this model's spec; ``configuration_rana.py`` and
-``modeling_rana.py`` are rendered from ``template/``. `check_sources` then proves with ast and
+What ships (`SHIPPED_MODULES`) is derived, not listed: the modules of the registered adapter kinds
+(rana.modules.registry) and the rana.modules files the template imports (``rebuild.py``, ``groups.py``),
+plus everything they import of rana (the masked-GEMV kernels, LAuReL, ...), so a new adapter module
+ships by registering. They are copied flat with their imports of one another rewritten to flat
+relative imports (``from ..kernels.masked_gemv import`` → ``from .masked_gemv import``, ``from
+rana.archs import`` → ``from .archspec import``); ``archspec.py`` is ``rana.archs.base`` plus this
+model's spec; ``configuration_rana.py`` and ``modeling_rana.py`` are rendered from ``template/``
+(the latter importing every adapter module, so that its kinds register). `check_sources` then proves with ast and
 symtable what transformers' remote-code loader needs: every file imports only the standard
 library, torch, transformers and the other shipped files (anything else only inside ``try``,
 e.g. triton), every relatively imported name exists, and no function reads an undefined global.
@@ -15,7 +18,6 @@ import ast
 import builtins
 import dataclasses
 import importlib
-import inspect
 import re
 import symtable
 import sys
@@ -23,35 +25,19 @@ from pathlib import Path
 
 import transformers
 
-from .. import io as rana_io
 from ..archs import base as _archs_base
 from ..archs import get_arch
+from ..errors import UserError
+from ..modules.registry import adapter_classes
 
 TEMPLATE_DIR = Path(__file__).parent / "template"
 CONFIG_FILE = "configuration_rana.py"
 MODELING_FILE = "modeling_rana.py"
-
-# absolute module name in the rana package → basename of its copy in the export
-SHIPPED_MODULES: dict[str, str] = {
-    "rana.kernels.masked_gemv": "masked_gemv",
-    "rana.kernels.cpu_gemv": "cpu_gemv",
-    "rana.kernels.triton_gemv": "triton_gemv",
-    "rana.kernels.ops": "ops",
-    "rana.modules.common": "common",
-    "rana.modules.int8": "int8",  # int8 weights (Int8Linear), imported by common.py / neuron_linear.py / registry.py
-    "rana.modules.rank_linear": "rank_linear",
-    "rana.modules.neuron_linear": "neuron_linear",
-    "rana.modules.cats": "cats",
-    "rana.modules.experts": "experts",  # mixtures of experts' stacked experts (adapter kind moe_input_sparse)
-    "rana.modules.rotation": "rotation",
-    "rana.modules.registry": "registry",  # the adapter kinds install_empty_adapters rebuilds
-    "rana.modules.groups": "groups",
-    "rana.modules.laurel": "laurel",
-    "rana.errors": "errors",  # UserError, which archspec.py (rana.archs.base) raises
-}
 ARCHSPEC_MODULE = "archspec"  # rendered from rana.archs.base + the model's ArchSpec
 _IMPORT_ALIASES = {"rana.archs": ARCHSPEC_MODULE, "rana.archs.base": ARCHSPEC_MODULE}
 _ALLOWED_TOP_LEVEL = {"torch", "transformers", "__future__"} | set(sys.stdlib_module_names)
+# the template sits beside the shipped copies of rana.modules: `from .rebuild import` is rana.modules.rebuild's
+_TEMPLATE_PACKAGE = "rana.modules"
 
 
 class ExportError(RuntimeError):
@@ -65,6 +51,52 @@ def module_source(name: str) -> str:
     """The source text of rana module `name` (e.g. "rana.kernels.cpu_gemv"), as it ships."""
     module = importlib.import_module(name)
     return Path(module.__file__).read_text(encoding="utf-8")
+
+
+def _rana_imports(module_name: str, source: str) -> list[str]:
+    """The rana modules `source` (of rana module `module_name`) imports, in the order it names them."""
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.ImportFrom):
+            absolute = _resolve(module_name, node)
+            if absolute is not None and (absolute == "rana" or absolute.startswith("rana.")):
+                found.append(absolute)
+    return list(dict.fromkeys(found))
+
+
+def _template_imports() -> list[str]:
+    """The rana modules the modeling template imports (its relative imports, but the rendered files)."""
+    rendered = {ARCHSPEC_MODULE, CONFIG_FILE.removesuffix(".py")}
+    tree = ast.parse((TEMPLATE_DIR / MODELING_FILE).read_text(encoding="utf-8"))
+    return [f"{_TEMPLATE_PACKAGE}.{node.module}" for node in ast.walk(tree)
+            if isinstance(node, ast.ImportFrom) and node.level == 1 and node.module not in rendered]
+
+
+def shipped_modules() -> dict[str, str]:
+    """{absolute module name in the rana package: basename of its copy in the export}: the modules of every
+    registered adapter kind and those the template imports, and every rana module they import (rana.archs
+    ships as archspec.py, rendered: what rana.archs.base imports ships). Sorted by module name."""
+    wanted = [cls.__module__ for cls in adapter_classes()] + _template_imports()
+    seen: set[str] = set()
+    while wanted:
+        name = wanted.pop()
+        if name in seen:
+            continue
+        seen.add(name)
+        source_of = _archs_base.__name__ if name in _IMPORT_ALIASES else name
+        try:
+            module = importlib.import_module(source_of)
+        except ImportError:
+            raise ExportError(f"the export would ship {name}, which does not exist") from None
+        if hasattr(module, "__path__"):
+            raise ExportError(f"{name} is a package, which cannot ship flat; import names from its modules")
+        wanted += _rana_imports(source_of, module_source(source_of))
+    out = {name: name.rsplit(".", 1)[-1] for name in sorted(seen - set(_IMPORT_ALIASES))}
+    basenames = list(out.values())
+    clash = sorted({b for b in basenames if basenames.count(b) > 1} | ({ARCHSPEC_MODULE} & set(basenames)))
+    if clash:
+        raise ExportError(f"shipped modules would share the file name(s) {', '.join(f'{b}.py' for b in clash)} in an export")
+    return out
 
 
 def _resolve(module_name: str, node: ast.ImportFrom) -> str | None:
@@ -117,9 +149,14 @@ def rewrite_imports(module_name: str, source: str, targets: dict[str, str]) -> s
     return source
 
 
-def _render_archspec(spec) -> str:
+# absolute module name in the rana package → basename of its copy in the export, as rana's own kinds need it
+# (`render_sources` derives it again: a kind registered later ships too)
+SHIPPED_MODULES: dict[str, str] = shipped_modules()
+
+
+def _render_archspec(spec, shipped: dict[str, str]) -> str:
     """rana.archs.base (the ArchSpec machinery) plus this model's spec, registered as SPEC."""
-    source = rewrite_imports(_archs_base.__name__, module_source(_archs_base.__name__), SHIPPED_MODULES)
+    source = rewrite_imports(_archs_base.__name__, module_source(_archs_base.__name__), shipped)
     fields = ", ".join(f"{f.name}={getattr(spec, f.name)!r}" for f in dataclasses.fields(spec))
     return (source.rstrip() + "\n\n\n# ---- rendered by `rana export`: the architecture of this model ----\n"
             f"SPEC = register(ArchSpec({fields}))\n")
@@ -136,13 +173,19 @@ def _stock_import(cls: type, alias: str) -> str:
     if getattr(transformers, cls.__name__, None) is cls:
         return f"from transformers import {cls.__name__} as {alias}"
     if not cls.__module__.startswith("transformers."):
-        raise ValueError(f"cannot export a model whose class {cls.__module__}.{cls.__name__} is not part of "
+        raise UserError(f"cannot export a model whose class {cls.__module__}.{cls.__name__} is not part of "
                          "transformers (remote-code source models are not supported)")
     return f"from {cls.__module__} import {cls.__name__} as {alias}"
 
 
-def _install_function_source() -> str:
-    return inspect.getsource(rana_io.install_empty_adapters)
+def _adapter_module_imports(shipped: dict[str, str]) -> str:
+    """The template's imports of every module that registers adapter kinds, in registration order (the
+    export's registry then holds the kinds rana's does, in the same order)."""
+    classes: dict[str, list[str]] = {}
+    for cls in adapter_classes():
+        classes.setdefault(cls.__module__, []).append(cls.__name__)
+    lines = [f"from .{shipped[module]} import {', '.join(names)}" for module, names in classes.items()]
+    return "\n".join(["# the adapter modules: importing one registers its adapter kinds (registry.py)", *lines])
 
 
 def _inline_gemv_table(source: str) -> str:
@@ -160,11 +203,11 @@ def render_sources(config, model_cls: type) -> dict[str, str]:
     rana_type = f"rana_{stock_type}"
     config_name, model_name = f"Rana{type(config).__name__}", f"Rana{model_cls.__name__}"
     spec = dataclasses.replace(spec, model_types=(stock_type, rana_type))
-    targets = {**SHIPPED_MODULES, **_IMPORT_ALIASES}
-    files = {f"{short}.py": rewrite_imports(name, module_source(name), targets)
-             for name, short in SHIPPED_MODULES.items()}
+    shipped = shipped_modules()
+    targets = {**shipped, **_IMPORT_ALIASES}
+    files = {f"{short}.py": rewrite_imports(name, module_source(name), targets) for name, short in shipped.items()}
     files["triton_gemv.py"] = _inline_gemv_table(files["triton_gemv.py"])
-    files[f"{ARCHSPEC_MODULE}.py"] = _render_archspec(spec)
+    files[f"{ARCHSPEC_MODULE}.py"] = _render_archspec(spec, shipped)
 
     cfg = (TEMPLATE_DIR / CONFIG_FILE).read_text(encoding="utf-8")
     cfg = _replace_marker(cfg, "stock-config-import", _stock_import(type(config), "_StockConfig"))
@@ -173,7 +216,7 @@ def render_sources(config, model_cls: type) -> dict[str, str]:
 
     mdl = (TEMPLATE_DIR / MODELING_FILE).read_text(encoding="utf-8")
     mdl = _replace_marker(mdl, "stock-model-import", _stock_import(model_cls, "_StockForCausalLM"))
-    mdl = _replace_marker(mdl, "install-empty-adapters", _install_function_source().rstrip() + "\n")
+    mdl = _replace_marker(mdl, "adapter-modules", _adapter_module_imports(shipped))
     mdl = re.sub(r"\bRanaConfig\b", config_name, mdl)
     files[MODELING_FILE] = re.sub(r"\bRanaForCausalLM\b", model_name, mdl)
     check_sources(files)

@@ -10,33 +10,36 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from ..modules import InputSparseLinear, NeuronThresholdLinear, RankAdapterLinear, RankSliceLinear
-from ..modules.registry import ADAPTER_CLASSES
+from ..modules.registry import adapter_class, adapter_classes, declared
 from .config import FinetuneError
 from .source import load_dense
 
-# The adapters SelfGuidance hooks: those with a dense twin of the same shape to blend with (a rank
-# adapter's original weight, a masked linear's own unmasked weight). The other registered kinds are not
-# hooked (an activation, a rotated norm, the head, stacked experts, a sparse + low-rank pair); a model
-# holding none of these kinds would train with no guidance at all, so `check_guided` refuses it.
-GUIDED_TYPES = (RankAdapterLinear, RankSliceLinear, NeuronThresholdLinear, InputSparseLinear)
+
+# The adapters SelfGuidance hooks: those whose kind declares a dense twin of the same shape to blend with
+# (`self_guided`, rana.modules.registry): "dense", a rank adapter's original weight; "unmasked", a masked
+# linear's own weight without the mask. The other registered kinds are not hooked (an activation, a rotated
+# norm, the head, stacked experts, a sparse + low-rank pair); a model holding none of the hooked kinds would
+# train with no guidance at all, so `check_guided` refuses it.
+def guided_kinds() -> tuple[type, ...]:
+    """The adapter classes SelfGuidance hooks, in registration order."""
+    return tuple(cls for cls in adapter_classes() if cls.self_guided is not None)
 
 
 def guided_sites(model: nn.Module) -> list[str]:
     """Names of the modules of `model` SelfGuidance hooks (every rank adapter has its dense weight:
     `dense_weights` loads all of them or fails)."""
-    return [name for name, m in model.named_modules() if isinstance(m, GUIDED_TYPES)]
+    return [name for name, m in model.named_modules() if declared(m, "self_guided") is not None]
 
 
 def check_guided(model: nn.Module, source: str) -> None:
     """FinetuneError, in one line, when `model` (the folder `source`) holds nothing SelfGuidance hooks."""
     if guided_sites(model):
         return
-    held = Counter(type(m).__name__ for m in model.modules() if isinstance(m, ADAPTER_CLASSES))
+    held = Counter(type(m).__name__ for m in model.modules() if adapter_class(m) is not None)
     if not held:
         raise FinetuneError(f"--self-guided-frac needs RaNA adapters (a rana folder); '{source}' has none")
     holds = ", ".join(f"{n} ×{k}" for n, k in sorted(held.items()))
-    needs = ", ".join(c.__name__ for c in GUIDED_TYPES)
+    needs = ", ".join(c.__name__ for c in guided_kinds())
     raise FinetuneError(
         f"--self-guided-frac: '{source}' holds only adapters the self-guided start cannot blend with a dense "
         f"path ({holds}); it needs at least one of {needs}; pass --self-guided-frac 0")
@@ -59,10 +62,11 @@ class SelfGuidance:
         self.handles = []
         self.sites = 0
         for name, m in model.named_modules():
-            if isinstance(m, (RankAdapterLinear, RankSliceLinear)) and name in dense:
+            kind = declared(m, "self_guided")
+            if kind == "dense" and name in dense:
                 self.handles.append(m.register_forward_hook(self._rank_hook(name)))
                 self.sites += 1
-            elif isinstance(m, (NeuronThresholdLinear, InputSparseLinear)):  # the rest of GUIDED_TYPES
+            elif kind == "unmasked":
                 self.handles.append(m.register_forward_hook(self._masked_hook))
                 self.sites += 1
 
@@ -96,7 +100,7 @@ class SelfGuidance:
     def _masked_hook(self, module, args, out):
         if self.alpha <= 0.0:
             return None
-        return self._mix(module.linear(args[0]), out)
+        return self._mix(module.unmasked(args[0]), out)
 
     def remove(self) -> None:
         for h in self.handles:
@@ -110,7 +114,7 @@ class SelfGuidance:
 
 def dense_weights(model: nn.Module, reference: str, device, dtype) -> dict:
     """The original dense weights of every rank-adapted projection, from the model `reference`."""
-    wanted = {n: m for n, m in model.named_modules() if isinstance(m, (RankAdapterLinear, RankSliceLinear))}
+    wanted = {n: m for n, m in model.named_modules() if declared(m, "self_guided") == "dense"}
     if not wanted:
         return {}
     try:

@@ -1,6 +1,9 @@
 """What trains, and the model surgery around it: LoRA targets (the adapters' linear children, dense
 projections by name), LAuReL residuals, trainable flags; after training, the merge back to plain
-adapters (column-major weights, neuron norms that follow the trained weights)."""
+adapters (column-major weights, neuron norms that follow the trained weights).
+
+What an adapter offers LoRA and needs after a merge is what its kind declares (rana.modules.registry):
+`linear_children`, `bare_weights`, `norms_child`, `restore`; a kind registered there needs nothing here."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -9,21 +12,11 @@ import torch
 import torch.nn as nn
 
 from ..archs import get_arch
-from ..modules import InputSparseExperts, InputSparseHead, NeuronThresholdLinear
-from ..modules.common import restore_layouts
 from ..modules.int8 import Int8Linear
 from ..modules.laurel import LaurelConfig, apply_laurel, get_laurel_config, laurel_parameters
-from ..modules.registry import ADAPTER_CLASSES
+from ..modules.rebuild import restore_adapters
+from ..modules.registry import adapter_class, declared
 from .config import FinetuneConfig, FinetuneError
-
-# Every adapter kind a folder may hold, from the registry that writes and reads folders: a kind added
-# there is a LoRA target and is restored after the merge without a second list to keep in step here.
-ADAPTER_TYPES = ADAPTER_CLASSES
-# Adapters whose weights are parameters of their own, not linear children: the input-sparse LM head
-# (its `weight`, a tied one the input embedding's very Parameter) and stacked MoE experts (3-D
-# [E, out, in]). peft's target_modules wraps modules (nn.Linear and the like), never a bare
-# parameter, so these are no LoRA targets; --full trains them.
-PARAMETER_ADAPTERS = (InputSparseHead, InputSparseExperts)
 
 LINEAR_TYPES = (nn.Linear, Int8Linear)  # what LoRA wraps: full-precision and int8 linears (rana.finetune.int8_lora)
 
@@ -33,12 +26,17 @@ def _is_linear(module: nn.Module) -> bool:
     return isinstance(module, LINEAR_TYPES) or isinstance(getattr(module, "base_layer", None), LINEAR_TYPES)
 
 
+def _is_adapter(module: nn.Module) -> bool:
+    return adapter_class(module) is not None
+
+
 def _lora_children(adapter: nn.Module) -> list[str]:
-    """Names of `adapter`'s linear children LoRA can wrap. Empty ones are left out: a rank-0
-    SparseLowRankLinear (plain magnitude sparsity) keeps 0-row side linears, which LoRA cannot train.
-    CatsActivation and RotatedInput hold none (the projections around them are plain linears)."""
+    """Names of `adapter`'s linear children LoRA can wrap (its kind's `linear_children`). Empty ones are
+    left out: a rank-0 SparseLowRankLinear (plain magnitude sparsity) keeps 0-row side linears, which LoRA
+    cannot train. CatsActivation and RotatedInput hold none (the projections around them are plain linears)."""
     out = []
-    for name, child in adapter.named_children():
+    for name in declared(adapter, "linear_children"):
+        child = adapter._modules.get(name)
         base = getattr(child, "base_layer", child)
         if _is_linear(child) and base.in_features * base.out_features > 0:
             out.append(name)
@@ -49,7 +47,7 @@ def adapter_linear_names(model: nn.Module) -> list[str]:
     """Dotted names of the linear children of every RaNA adapter (their B / A / linear / side_in / side_out)."""
     names = []
     for name, m in model.named_modules():
-        if isinstance(m, ADAPTER_TYPES):
+        if _is_adapter(m):
             names += [f"{name}.{child}" if name else child for child in _lora_children(m)]
     return names
 
@@ -72,7 +70,7 @@ def _dense_projection_names(model: nn.Module) -> list[str]:
     roots = _layer_roots(model)
     inside_adapter = set()
     for name, m in model.named_modules():
-        if isinstance(m, ADAPTER_TYPES):
+        if _is_adapter(m):
             inside_adapter.update(f"{name}.{c}" for c, _ in m.named_modules() if c)
     out = []
     for name, m in model.named_modules():
@@ -109,7 +107,7 @@ def resolve_lora_targets(model: nn.Module, spec: str | None) -> list[str]:
 
 def _no_adapter_linears(model: nn.Module) -> str:
     """Why a model gives `adapters` no targets: no adapters, or only kinds without linear children."""
-    kinds = sorted({type(m).__name__ for m in model.modules() if isinstance(m, ADAPTER_TYPES)})
+    kinds = sorted({type(m).__name__ for m in model.modules() if _is_adapter(m)})
     if not kinds:
         return "this model has no RaNA adapters"
     return f"this model's adapters ({', '.join(kinds)}) hold no linear layers LoRA can wrap"
@@ -121,9 +119,11 @@ def _named_targets(model: nn.Module, item: str, adapters: list[str]) -> list[str
     for n, m in model.named_modules():
         if not (n == item or n.endswith("." + item)):
             continue
-        if isinstance(m, ADAPTER_TYPES):
+        if _is_adapter(m):
             found += [f"{n}.{c}" for c in _lora_children(m)]
-            if isinstance(m, PARAMETER_ADAPTERS):
+            # weights that are parameters of its own (the head's, a tied one the embedding's; stacked experts'):
+            # peft's target_modules wraps modules, never a bare parameter, so --full trains them
+            if declared(m, "bare_weights"):
                 bare.append(f"'{n}' ({type(m).__name__})")
         elif isinstance(m, LINEAR_TYPES):
             found.append(n)
@@ -228,60 +228,32 @@ def merge_trained(model: nn.Module, *, gradient_checkpointing: bool) -> nn.Modul
         model.gradient_checkpointing_disable()
     for p in model.parameters():
         p.requires_grad_(False)
-    restore_column_major(model)
-    refresh_norms(model)
+    # every adapter's weights back in the layouts its decode path reads (masked linears column-major, the rank
+    # adapters' B row-major, stacked experts input-major, an untied head's own weight column-major) and its
+    # column norms those of the merged weights: each kind's `restore`
+    restore_adapters(model)
     if hasattr(model, "config"):
         model.config.use_cache = True
     return model.eval()
 
 
-def restore_column_major(model: nn.Module) -> None:
-    """Every adapter's weights back in the layouts its decode path reads after a LoRA merge or a sharded
-    run's state-dict reload (masked linears column-major, the rank adapters' B row-major, stacked experts
-    input-major: `restore_layouts`), and an untied input-sparse LM head's own weight column-major."""
-    embeddings = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
-    tied = getattr(embeddings, "weight", None)
-    for m in model.modules():
-        if isinstance(m, ADAPTER_TYPES):
-            restore_layouts(m)
-        # a tied head's weight is the embedding's Parameter: it stays row-major (the embedding's layout, the
-        # only one save_pretrained stores a shared tensor in); an int8 head's codes are buffers (own: None)
-        own = m._parameters.get("weight")
-        if isinstance(m, InputSparseHead) and (own is None or own is not tied):
-            m.column_major_()
-
-
-def refresh_norms(model: nn.Module) -> None:
-    for m in model.modules():
-        if isinstance(m, NeuronThresholdLinear):
-            _refresh(m)
-
-
-@torch.no_grad()
-def _refresh(m: NeuronThresholdLinear) -> None:
-    """`m`'s column norms of its own weight; of an int8 one, the fp32 dequantized weight whatever the compute
-    dtype (as a float32 load of the folder computes them)."""
-    if type(m.linear) is Int8Linear:
-        m.column_norms.copy_(m.linear.dequantized(torch.float32).norm(dim=0))
-    else:
-        m.refresh_norms()
-
-
 @torch.no_grad()
 def sync_neuron_norms(model: nn.Module) -> None:
-    """Point every NeuronThresholdLinear's mask criterion ``|h_i|·‖W[:, i]‖`` at the weight it really
-    applies: the trained weight, or with LoRA the effective ``W + ΔW``. Called after each optimizer step,
-    so training sees the masks the merged model will use (merged == unmerged)."""
+    """Point every mask criterion that reads column norms (``|h_i|·‖W[:, i]‖``, a kind's `norms_child`) at
+    the weight it really applies: the trained weight, or with LoRA the effective ``W + ΔW``. Called after
+    each optimizer step, so training sees the masks the merged model will use (merged == unmerged)."""
     for m in model.modules():
-        if isinstance(m, NeuronThresholdLinear):
-            lin = m.linear
-            base = getattr(lin, "base_layer", None)
-            if isinstance(base, LINEAR_TYPES) and hasattr(lin, "get_delta_weight"):
-                # an int8 base: its fp32 dequantized weight (the merge requantizes W + ΔW)
-                w = base.dequantized(torch.float32) if type(base) is Int8Linear else base.weight
-                for name in getattr(lin, "active_adapters", []):
-                    if name in getattr(lin, "lora_A", {}) and not lin.merged:
-                        w = w + lin.get_delta_weight(name)
-                m.column_norms.copy_(w.float().norm(dim=0))
-            else:
-                _refresh(m)
+        child = declared(m, "norms_child")
+        if child is None:
+            continue
+        lin = m._modules[child]
+        base = getattr(lin, "base_layer", None)
+        if isinstance(base, LINEAR_TYPES) and hasattr(lin, "get_delta_weight"):
+            # an int8 base: its fp32 dequantized weight (the merge requantizes W + ΔW)
+            w = base.dequantized(torch.float32) if type(base) is Int8Linear else base.weight
+            for name in getattr(lin, "active_adapters", []):
+                if name in getattr(lin, "lora_A", {}) and not lin.merged:
+                    w = w + lin.get_delta_weight(name)
+            m.refresh_norms(w)
+        else:
+            m.refresh_norms()  # of an int8 weight: the fp32 dequantized one, whatever the compute dtype

@@ -1,7 +1,8 @@
 """Writing and reading rana folders (the format: `rana.io.format`). Written atomically.
 
 `load(dir)` rebuilds the stock architecture from config.json, swaps in empty adapters of the
-recorded shapes and loads the weights, so no compression code runs at load time.
+recorded shapes and loads the weights, so no compression code runs at load time (the rebuild is
+`rana.modules.rebuild`'s, which exports and the transformers quantizer run too).
 """
 from __future__ import annotations
 
@@ -22,12 +23,12 @@ from safetensors.torch import load_file, save_file
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
 from ..archs import ArchSpec, get_arch
-from ..modules import NeuronThresholdLinear, link_decode_groups
-from ..modules.laurel import LaurelConfig, apply_laurel
+from ..errors import UserError
+from ..modules.rebuild import failed_stage, finish_rana, install_rana
 from ..modules.registry import ADAPTER_KINDS
 from .card import write_folder_card
 from .format import (FORMAT_VERSION, PLAN, RANA_CONFIG, WEIGHTS, WEIGHTS_INDEX, ModelLoadError, adapter_specs,
-                     install_empty_adapters, install_weights, threshold_from_json, tied_keys, weights_meta, write_json)
+                     threshold_from_json, tied_keys, weights_meta, write_json)
 from .paths import OutputExistsError, apply_umask, check_output, remove_stale_temps, temp_prefix, write_manifest
 from .schema import PLAN_SCHEMA, RANA_CONFIG_SCHEMA, FieldError, validate
 from .weightfiles import check_safetensors_folder
@@ -195,7 +196,7 @@ def load(path: Path | str, *, device: str = "cpu", dtype: torch.dtype | None = N
     """(model, tokenizer) from a rana folder."""
     path = Path(path)
     if not is_rana_dir(path):
-        raise ValueError(f"'{path}' is not a rana folder (no {RANA_CONFIG}); produce one with `rana compress`")
+        raise UserError(f"'{path}' is not a rana folder (no {RANA_CONFIG}); produce one with `rana compress`")
     meta = read_meta(path)
     read_plan(path)  # every field rana reads back, checked before the model is built
     saved_dtype = getattr(torch, meta.get("dtype", "float32"))
@@ -213,18 +214,16 @@ def load(path: Path | str, *, device: str = "cpu", dtype: torch.dtype | None = N
         dtype = getattr(torch, dtype.removeprefix("torch."))
     build_dtype = dtype if isinstance(dtype, torch.dtype) and dtype.is_floating_point else saved_dtype
     model = AutoModelForCausalLM.from_config(config, dtype=build_dtype)
-    try:
-        install_empty_adapters(model, meta["adapters"], build_dtype)
-        install_weights(model, meta)  # int8 modules (rana.modules.int8), empty, before the weights load
+    try:  # empty adapters, int8 modules (rana.modules.int8) and LAuReL, before the weights load
+        install_rana(model, meta, build_dtype, record_name=RANA_CONFIG)
     except (AttributeError, KeyError, TypeError, ValueError) as e:
-        raise ModelLoadError(f"'{path / RANA_CONFIG}' does not fit the model in config.json "
-                             f"({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})") from None
-    if meta.get("laurel"):
-        try:
-            laurel = LaurelConfig.from_dict(meta["laurel"])
-        except (AttributeError, KeyError, TypeError, ValueError) as e:
+        stage = failed_stage(e)
+        if stage == "adapters":
+            raise ModelLoadError(f"'{path / RANA_CONFIG}' does not fit the model in config.json "
+                                 f"({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})") from None
+        if stage == "laurel settings":
             raise ModelLoadError(f"'{path / RANA_CONFIG}': invalid 'laurel' settings ({e})") from None
-        apply_laurel(model, laurel)
+        raise
     try:
         missing, unexpected = model.load_state_dict(state, strict=False)
     except RuntimeError as e:  # shapes that differ from rana_config.json
@@ -239,10 +238,7 @@ def load(path: Path | str, *, device: str = "cpu", dtype: torch.dtype | None = N
                              "or was edited")
     check_thresholds(model, meta["adapters"], path)
     model.tie_weights()
-    for m in model.modules():
-        if isinstance(m, NeuronThresholdLinear):
-            m.refresh_norms()
-    link_decode_groups(model, get_arch(config))  # q/k/v and gate/up adapters: one grouped decode launch
+    finish_rana(model, get_arch(config))  # column norms of the loaded weights, decode groups
     if dtype is not None and dtype != build_dtype:  # (not again: .to() would round RoPE's float32 buffers)
         model = model.to(dtype)
     tokenizer = AutoTokenizer.from_pretrained(path) if (path / "tokenizer_config.json").exists() else None

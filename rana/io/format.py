@@ -16,8 +16,8 @@ from pathlib import Path
 import torch
 import torch.nn as nn
 
-from ..archs import set_submodule
-from ..modules.registry import ADAPTER_KINDS, adapter_class, build_adapter, build_order, install_int8, int8_paths
+from ..modules import rebuild
+from ..modules.registry import adapter_class
 from ..errors import UserError
 from .compress_settings import CompressSettings  # re-exported: it moved to its own module
 from .version import FORMAT_VERSION
@@ -90,27 +90,16 @@ def adapter_specs(model: nn.Module, *, outside: str | None = None) -> list[dict]
 
 def install_empty_adapters(model: nn.Module, specs: list[dict], dtype: torch.dtype) -> None:
     """Swap in adapters of the recorded shapes (weights to be loaded afterwards), each rebuilt by
-    its registered class (`rana.modules.registry`; exports ship this function and that table)."""
-    built = {}
-    for s in build_order(specs):  # codes before the slices that name them
-        if s["type"] not in ADAPTER_KINDS:
-            raise ValueError(f"unknown adapter type '{s['type']}' in {RANA_CONFIG}")
-        built[s["path"]] = m = build_adapter(model, s, dtype, built)
-        set_submodule(model, s["path"], m)
+    its registered class: `rana.modules.rebuild.install_empty_adapters` (shipped with exports), the
+    specs read from a folder's rana_config.json."""
+    rebuild.install_empty_adapters(model, specs, dtype, RANA_CONFIG)
 
 
 def weights_meta(model: nn.Module) -> dict:
     """rana_config.json's record of int8 weights: {"weights": "int8", "int8": {"modules": [paths]}} when the
     model holds int8 modules (every path's module is rebuilt as int8 before the weights load), else {}."""
-    paths = int8_paths(model)
+    paths = rebuild.int8_paths(model)
     return {"weights": "int8", "int8": {"modules": paths}} if paths else {}
-
-
-def install_weights(model: nn.Module, meta: dict) -> None:
-    """Rebuild the int8 modules a folder's rana_config.json (or an export's config) records, empty, after
-    the adapters are installed and before the weights load; nothing for full-precision folders."""
-    if meta.get("weights", "none") == "int8":
-        install_int8(model, list((meta.get("int8") or {}).get("modules") or []))
 
 
 def tied_keys(model: nn.Module) -> set[str]:
@@ -124,6 +113,6 @@ def tied_keys(model: nn.Module) -> set[str]:
     return {f"{name}.weight"} if name is not None else set()
 
 
-__all__ = ["WEIGHT_FORMATS", "weights_meta", "install_weights", "FORMAT_VERSION", "WEIGHTS", "WEIGHTS_INDEX", "RANA_CONFIG", "PLAN", "ModelLoadError", "CompressSettings",
+__all__ = ["WEIGHT_FORMATS", "weights_meta", "FORMAT_VERSION", "WEIGHTS", "WEIGHTS_INDEX", "RANA_CONFIG", "PLAN", "ModelLoadError", "CompressSettings",
            "write_json",
            "threshold_to_json", "threshold_from_json", "adapter_specs", "install_empty_adapters", "tied_keys"]

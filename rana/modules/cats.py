@@ -4,9 +4,11 @@ from __future__ import annotations
 import torch
 import torch.nn as nn
 
-from .common import MacMeter
+from .common import MacMeter, restore_layouts
+from .registry import register_adapter
 
 
+@register_adapter
 class CatsActivation(MacMeter, nn.Module):
     """`a ⊙ 1{|a| ≥ t}` with `a = act(gate x)`; owns the up/down cost of the kept neurons.
 
@@ -16,6 +18,15 @@ class CatsActivation(MacMeter, nn.Module):
 
     spec_type = "cats"  # wraps the activation module found at its path
     spec_fields = {"hidden": "size", "intermediate": "size", "threshold": "threshold"}
+    linear_children = ()  # the projections around it stay plain linears
+    bare_weights = False
+    decode_mode = None  # masks an activation: no GEMV of its own
+    groupable = False
+    self_guided = None
+    refit = "own"  # on |act(gate)|
+    rank_code = False
+    norms_child = None
+    int8_form = None
 
     def to_spec(self, root: nn.Module) -> dict:
         return {"hidden": self.hidden, "intermediate": self.intermediate, "threshold": float(self.threshold)}
@@ -31,6 +42,15 @@ class CatsActivation(MacMeter, nn.Module):
         self.hidden, self.intermediate = hidden, intermediate
         self.macs_dense = float(2 * hidden * intermediate)
         self._init_meter()
+
+    def restore(self, root: nn.Module) -> None:
+        restore_layouts(self)
+
+    def mask_width(self) -> int:
+        return self.intermediate
+
+    def refit_scores(self, x: torch.Tensor) -> torch.Tensor:
+        return self.act(x).float().abs()
 
     def forward(self, g: torch.Tensor) -> torch.Tensor:
         a = self.act(g)

@@ -1,4 +1,4 @@
-"""Pieces shared by every adapter module: column-major linears and the MAC meter."""
+"""Pieces shared by every adapter module: column-major linears, the one-token decode gate and the MAC meter."""
 from __future__ import annotations
 
 import torch
@@ -39,13 +39,15 @@ def row_major_linear(weight: torch.Tensor, bias: torch.Tensor | None = None) -> 
 
 
 def restore_layouts(module: nn.Module) -> None:
-    """Put an adapter's weights back in the layouts its decode path reads: the linear children named
-    in `row_major_children` row-major, every other nn.Linear child column-major, int8 codes row-major,
-    and stacked expert weights (its own 3-D [E, out, in] parameters) input-major. (A loader or a LoRA
-    merge may hand back either.) An input-sparse LM head's own weight is left to the caller, who knows
-    whether it is tied (`InputSparseHead.column_major_`)."""
+    """Put an adapter's weights back in the layouts its decode path reads: the linear children its kind
+    declares (`linear_children`, rana.modules.registry) column-major, those named in `row_major_children`
+    row-major, int8 codes row-major, and stacked expert weights (its own 3-D [E, out, in] parameters)
+    input-major. (A loader or a LoRA merge may hand back either.) An input-sparse LM head's own weight
+    is left to its kind's `restore`, which knows whether it is tied (`InputSparseHead.column_major_`)."""
     row_major = getattr(module, "row_major_children", ())
-    for name, child in module.named_children():
+    children = module._modules
+    for name in module.linear_children:
+        child = children.get(name)
         if type(child) is Int8Linear:  # int8 codes: always the transposed (in × out) row-major layout
             q = child._buffers["qweight"]
             if q.device.type != "meta" and not q.is_contiguous():
@@ -75,6 +77,41 @@ def plain_linear(layer: nn.Module) -> bool:
     return type(layer) is nn.Linear
 
 
+class MaskedDecode:
+    """The decode gate every masked adapter shares, written once.
+
+    In eval mode with its meter off, one token goes through the adapter's sibling group (one grouped
+    launch, `rana.modules.groups`) or the masked-GEMV kernels (`decode_linear`), with the kind's own
+    mask mode (`decode_mode`, declared once per class); training, metering, several tokens, gradients
+    and a peft-wrapped child take the module's torch path (the calls return None). A module whose meter
+    lives elsewhere (a q/k/v slice: its shared code's) passes it as `meter`.
+    """
+
+    decode_mode: str | None  # declared by every adapter kind (rana.modules.registry)
+    _decode_group = None  # the sibling group (rana.modules.groups.DecodeGroup) this adapter decodes in, and its slot
+    _decode_slot: int = 0
+
+    def decode_open(self, meter=None) -> bool:
+        """The gate: eval mode and the meter off (a metered token must run the torch path that counts it)."""
+        return not self.training and not (self if meter is None else meter).meter_on
+
+    # the two below run per projection per token: `decode_open` is spelled out in them (no extra call)
+    def decode_grouped(self, x: torch.Tensor) -> torch.Tensor | None:
+        """This adapter's output for `x` from its sibling group's one launch, or None."""
+        group = self._decode_group
+        if group is None or self.training or self.meter_on:
+            return None
+        return group.decode(x, self._decode_slot)
+
+    def decode_masked(self, layer: nn.Module, v: torch.Tensor, threshold: torch.Tensor,
+                      scale: torch.Tensor | None = None, meter=None) -> torch.Tensor | None:
+        """`layer(m ⊙ v)` for one decode token through the masked-GEMV kernels, or None (`decode_linear`)."""
+        meter = self if meter is None else meter
+        if self.training or meter.meter_on:
+            return None
+        return decode_linear(layer, v, threshold, self.decode_mode, scale, meter.decode_bin)
+
+
 def decode_linear(layer: nn.Module, x: torch.Tensor, threshold: torch.Tensor, mode: str,
                   scale: torch.Tensor | None = None, sparsity_bin: int = DEFAULT_SPARSITY_BIN) -> torch.Tensor | None:
     """`layer(m ⊙ x)` for one decode token through the masked-GEMV ops, or None (use the torch path).
@@ -82,9 +119,10 @@ def decode_linear(layer: nn.Module, x: torch.Tensor, threshold: torch.Tensor, mo
     None for several tokens (prefill, batch > 1: the dense masked product is faster there), for a
     peft-wrapped layer (so LoRA is never skipped) and when gradients are wanted (the ops have no
     backward). Eagerly this is the native CPU kernel / Triton launch itself; under torch.compile the
-    registered ops (kernels/ops.py), so the decode step traces without a graph break. Callers check
-    `not self.training and not self.meter_on` first and pass `self._modules[...]` /
-    `self._buffers[...]`: this runs per projection per token, and Module.__getattr__ costs ~0.6 µs.
+    registered ops (kernels/ops.py), so the decode step traces without a graph break. The adapters call
+    it through `MaskedDecode.decode_masked` (which checks training and the meter first) and pass
+    `self._modules[...]` / `self._buffers[...]`: this runs per projection per token, and
+    Module.__getattr__ costs ~0.6 µs.
     `sparsity_bin` (a Python int: a Triton tuning key, constant under compile) is the module's
     `decode_bin`. An Int8Linear child (int8 weights, rana.modules.int8) takes the int8 masked GEMV.
     """
@@ -134,9 +172,6 @@ class MacMeter:
     # plain int so it is a constant under torch.compile. Set both with `set_active_fraction`.
     active_fraction: float | None = None
     decode_bin: int = DEFAULT_SPARSITY_BIN
-    # The sibling group (rana.modules.groups.DecodeGroup) this adapter decodes in, and its slot there
-    _decode_group = None
-    _decode_slot: int = 0
 
     def set_active_fraction(self, fraction: float | None) -> None:
         if fraction is None or not 0.0 <= float(fraction) <= 1.0:

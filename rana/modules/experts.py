@@ -21,7 +21,8 @@ import torch.nn.functional as F
 from transformers.activations import ACT2FN
 
 from ..kernels.ops import decode_expert_masked
-from .common import MacMeter
+from .common import MacMeter, restore_layouts
+from .registry import register_adapter
 
 # the activations MoE checkpoints use (config.hidden_act); a folder names one of these
 ACTIVATIONS = ("silu", "gelu", "gelu_new", "gelu_pytorch_tanh", "relu", "swish")
@@ -32,12 +33,22 @@ def _input_major(weight: torch.Tensor) -> nn.Parameter:
     return nn.Parameter(weight.detach().transpose(1, 2).contiguous().transpose(1, 2))
 
 
+@register_adapter
 class InputSparseExperts(MacMeter, nn.Module):
     """Stacked experts with per-expert magnitude thresholds on their input and on their down
     projection's input (`in_threshold`, `down_threshold`: [E] float32 buffers, -inf keeps all)."""
 
     spec_type = "moe_input_sparse"
     spec_fields = {"experts": "size", "in": "size", "inter": "size", "top_k": "size", "act": ACTIVATIONS}
+    linear_children = ()
+    bare_weights = True  # stacked 3-D [E, out, in] parameters: LoRA cannot wrap them, --full trains them
+    decode_mode = None  # the expert-indexed masked GEMV (rana::expert_masked_gemv) takes no mode
+    groupable = False
+    self_guided = None
+    refit = None  # per-expert thresholds, not refit (int8 has no form for stacked experts)
+    rank_code = False
+    norms_child = None
+    int8_form = None
     _float32_buffers = ("in_threshold", "down_threshold")
 
     def to_spec(self, root: nn.Module) -> dict:
@@ -62,6 +73,9 @@ class InputSparseExperts(MacMeter, nn.Module):
         # what the top-k experts cost one token dense: gate and up (2I x H) and down (H x I) each
         self.macs_dense = float(self.top_k * 3 * self.intermediate_dim * self.hidden_dim)
         self._init_meter()
+
+    def restore(self, root: nn.Module) -> None:
+        restore_layouts(self)  # the stacked weights input-major
 
     def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor):
         if (not self.training and not self.meter_on and hidden_states.shape[0] == 1

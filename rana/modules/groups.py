@@ -9,10 +9,11 @@ child (so LoRA is never skipped) send every member its own path.
 
 Which siblings share an input comes from the architecture (`spec.qkv_paths()`, the gate and up of
 `spec.mlp_paths()`; any object with those methods and `layers` serves, so exported models pass
-their shipped spec). Only adapters of one mask mode are grouped: InputSparseLinear ("abs"),
-NeuronThresholdLinear ("abs_scaled"), RankAdapterLinear ("square": each member's own code
-`B x` is its input, the A matrices share the launch). A set with two modes groups each mode's
-members (at least two) and leaves the rest alone; fused projections (qkv, gate_up) need no group.
+their shipped spec). Only adapters whose kind declares `groupable` (rana.modules.registry) are grouped,
+and only those of one mask mode (`decode_mode`): InputSparseLinear ("abs"), NeuronThresholdLinear
+("abs_scaled"), RankAdapterLinear ("square": each member's own code `B x` is its input, the A matrices
+share the launch). A set with two modes groups each mode's members (at least two) and leaves the rest
+alone; fused projections (qkv, gate_up) need no group.
 Members whose children hold int8 weights (Int8Linear) decode in one `decode_masked_int8_grouped` call
 (one int8 Triton launch); int8 beside full-precision members decode on their own.
 
@@ -33,10 +34,15 @@ import torch.nn as nn
 
 from ..kernels.ops import decode_dense_grouped, decode_masked_grouped, eager_cpu, sparsity_bin, uses_triton
 from .int8 import decode_int8_grouped
-from .neuron_linear import InputSparseLinear, NeuronThresholdLinear
-from .rank_linear import RankAdapterLinear, relink_shared_codes
+from .rank_linear import relink_shared_codes
+from .registry import declared
 
-GROUPABLE = (InputSparseLinear, NeuronThresholdLinear, RankAdapterLinear)
+
+def groupable(module: nn.Module) -> bool:
+    """True for an adapter whose kind decodes in one launch with its siblings (`groupable`)."""
+    return declared(module, "groupable") is True
+
+
 MAX_GROUP = 3  # the grouped kernel's limit
 # Eagerly on CPU (the native kernels, no Triton) a grouped call is a loop of single calls: the group then only
 # adds work (gathering operands, caching outputs), ~7 µs per projection per token, so each member decodes on
@@ -125,7 +131,7 @@ def group_bin(members) -> int:
 
 
 def unlink(module: nn.Module) -> None:
-    if isinstance(module, GROUPABLE):
+    if groupable(module):
         module._decode_group, module._decode_slot = None, 0
 
 
@@ -139,7 +145,7 @@ def link_siblings(root: nn.Module, paths) -> int:
         except AttributeError:
             continue
         unlink(m)
-        if isinstance(m, GROUPABLE):
+        if groupable(m):
             found.append(m)
     by_mode: dict[str, list] = {}
     for m in found:
@@ -184,7 +190,7 @@ def relink(root: nn.Module) -> int:
     count = relink_shared_codes(root)
     groups: dict[int, list] = {}
     for m in root.modules():
-        if isinstance(m, GROUPABLE) and m._decode_group is not None:
+        if groupable(m) and m._decode_group is not None:
             groups.setdefault(id(m._decode_group), []).append(m)
     for members in groups.values():
         members.sort(key=lambda m: m._decode_slot)
@@ -196,5 +202,5 @@ def relink(root: nn.Module) -> int:
     return count
 
 
-__all__ = ["DecodeGroup", "GROUPABLE", "GROUP_EAGER_CPU", "group_bin", "link_siblings", "shared_input_paths",
+__all__ = ["DecodeGroup", "groupable", "GROUP_EAGER_CPU", "group_bin", "link_siblings", "shared_input_paths",
            "link_layer", "link_decode_groups", "relink", "unlink"]

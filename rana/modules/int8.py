@@ -47,6 +47,7 @@ class Int8Linear(nn.Module):
     """nn.Linear with int8 codes (see the module docstring for the layout)."""
 
     _float32_buffers = ("weight_scale",)
+    int8_weights = True  # its weights are int8 codes (`holds_int8`)
 
     def __init__(self, in_features: int, out_features: int, bias: bool = True, *, dtype: torch.dtype = torch.float32,
                  device=None):
@@ -111,4 +112,10 @@ def is_int8(layer: nn.Module) -> bool:
     return type(layer) is Int8Linear
 
 
-__all__ = ["Int8Linear", "INT8_MODES", "decode_int8", "decode_int8_grouped", "is_int8"]
+def holds_int8(module: nn.Module) -> bool:
+    """True for a module whose weights are int8 codes (its class sets `int8_weights`: Int8Linear, the int8
+    LM head): what a folder's `int8.modules` lists and a loader rebuilds as int8."""
+    return getattr(type(module), "int8_weights", False) is True
+
+
+__all__ = ["Int8Linear", "INT8_MODES", "decode_int8", "decode_int8_grouped", "is_int8", "holds_int8"]

@@ -6,15 +6,23 @@ import torch
 import torch.nn as nn
 
 from ..kernels.ops import decode_masked_linear
-from .common import MacMeter, column_major_linear, decode_linear, decode_weight
+from .common import MacMeter, MaskedDecode, column_major_linear, decode_weight, restore_layouts
 from .int8 import decode_int8
+from .registry import register_adapter
 
 
 class ThresholdedLinearSpec:
-    """The rana_config.json entry of an adapter that is one thresholded `linear` (its `spec_type` is the
-    class's own): in, out, bias, threshold, and the empty module of those shapes."""
+    """What an adapter that is one thresholded `linear` declares alike (its `spec_type` and the rest are the
+    class's own): the rana_config.json entry (in, out, bias, threshold, and the empty module of those
+    shapes), its linear child, its threshold refit on its own input (|x|), no rank code, no int8 form of
+    its own (its child is quantized)."""
 
     spec_fields = {"in": "size", "out": "size", "bias": "flag", "threshold": "threshold"}
+    linear_children = ("linear",)
+    bare_weights = False
+    refit = "own"
+    rank_code = False
+    int8_form = None
 
     def to_spec(self, root: nn.Module) -> dict:
         return {"in": self.in_features, "out": self.out_features, "bias": self.linear.bias is not None,
@@ -24,11 +32,26 @@ class ThresholdedLinearSpec:
     def from_spec(cls, s: dict, zeros, threshold: float, **_):
         return cls(zeros(s["out"], s["in"]), zeros(s["out"]) if s["bias"] else None, threshold)
 
+    def unmasked(self, x: torch.Tensor) -> torch.Tensor:
+        """Its own weight without the mask (the self-guided start's dense path)."""
+        return self.linear(x)
 
-class NeuronThresholdLinear(ThresholdedLinearSpec, MacMeter, nn.Module):
+    def mask_width(self) -> int:
+        return self.in_features
+
+    def refit_scores(self, x: torch.Tensor) -> torch.Tensor:
+        return x.float().abs()
+
+
+@register_adapter
+class NeuronThresholdLinear(ThresholdedLinearSpec, MaskedDecode, MacMeter, nn.Module):
     """`W (m ⊙ h)` with `m_i = 1{|h_i|·‖W[:, i]‖ ≥ t}` (RaNA's down projection, Eq. 12)."""
 
     spec_type = "neuron"
+    decode_mode = "abs_scaled"
+    groupable = True
+    self_guided = "unmasked"
+    norms_child = "linear"  # the mask reads ‖W[:, i]‖: refreshed whenever W changes
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, threshold: float):
         super().__init__()
@@ -41,25 +64,29 @@ class NeuronThresholdLinear(ThresholdedLinearSpec, MacMeter, nn.Module):
         self._init_meter()
 
     @torch.no_grad()
-    def refresh_norms(self) -> None:
+    def refresh_norms(self, weight: torch.Tensor | None = None) -> None:
         """Recompute ‖W[:, i]‖ (after LoRA merges or weight loading), in fp32 from the weights multiplied
         with (an int8 child's dequantized in fp32, not in the compute dtype: a bf16 load gets the norms a
-        float32 load gets)."""
-        linear = self.linear
-        weight = linear.dequantized(torch.float32) if hasattr(linear, "dequantized") else linear.weight.float()
-        self.column_norms.copy_(weight.norm(dim=0))
+        float32 load gets). `weight`: the (out, in) weight to take them from instead (while LoRA trains:
+        the effective `W + ΔW`)."""
+        if weight is None:
+            linear = self.linear
+            weight = linear.dequantized(torch.float32) if hasattr(linear, "dequantized") else linear.weight.float()
+        self.column_norms.copy_(weight.float().norm(dim=0))
 
-    decode_mode = "abs_scaled"
+    def restore(self, root: nn.Module) -> None:
+        restore_layouts(self)
+        self.refresh_norms()
+
+    def refit_scores(self, x: torch.Tensor) -> torch.Tensor:
+        return x.float().abs() * self.column_norms
 
     def forward(self, h: torch.Tensor) -> torch.Tensor:
-        if not self.training and not self.meter_on:
-            group = self._decode_group
-            y = None if group is None else group.decode(h, self._decode_slot)
-            if y is None:
-                y = decode_linear(self._modules["linear"], h, self._buffers["threshold"], "abs_scaled",
-                                  self._buffers["column_norms"], self.decode_bin)
-            if y is not None:
-                return y
+        y = self.decode_grouped(h)
+        if y is None:
+            y = self.decode_masked(self._modules["linear"], h, self._buffers["threshold"], self._buffers["column_norms"])
+        if y is not None:
+            return y
         mask = h.abs() * self.column_norms >= self.threshold
         self._record(mask)
         return self.linear(h * mask)
@@ -80,10 +107,15 @@ class NeuronThresholdLinear(ThresholdedLinearSpec, MacMeter, nn.Module):
         return f"in={self.in_features}, out={self.out_features}, threshold={float(self.threshold):.4g}"
 
 
-class InputSparseLinear(ThresholdedLinearSpec, MacMeter, nn.Module):
+@register_adapter
+class InputSparseLinear(ThresholdedLinearSpec, MaskedDecode, MacMeter, nn.Module):
     """`W (m ⊙ x)` with `m_j = 1{|x_j| ≥ t}`: TEAL's training-free magnitude sparsity."""
 
     spec_type = "input_sparse"
+    decode_mode = "abs"
+    groupable = True
+    self_guided = "unmasked"
+    norms_child = None
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, threshold: float):
         super().__init__()
@@ -93,16 +125,15 @@ class InputSparseLinear(ThresholdedLinearSpec, MacMeter, nn.Module):
         self.macs_dense = float(self.in_features * self.out_features)
         self._init_meter()
 
-    decode_mode = "abs"
+    def restore(self, root: nn.Module) -> None:
+        restore_layouts(self)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if not self.training and not self.meter_on:
-            group = self._decode_group
-            y = None if group is None else group.decode(x, self._decode_slot)
-            if y is None:
-                y = decode_linear(self._modules["linear"], x, self._buffers["threshold"], "abs", None, self.decode_bin)
-            if y is not None:
-                return y
+        y = self.decode_grouped(x)
+        if y is None:
+            y = self.decode_masked(self._modules["linear"], x, self._buffers["threshold"])
+        if y is not None:
+            return y
         mask = x.abs() >= self.threshold
         self._record(mask)
         return self.linear(x * mask)
@@ -123,7 +154,8 @@ class InputSparseLinear(ThresholdedLinearSpec, MacMeter, nn.Module):
         return f"in={self.in_features}, out={self.out_features}, threshold={float(self.threshold):.4g}"
 
 
-class SparseLowRankLinear(MacMeter, nn.Module):
+@register_adapter
+class SparseLowRankLinear(MaskedDecode, MacMeter, nn.Module):
     """`W (m ⊙ x) + A B ((1 − m) ⊙ x)` with `m_j = 1{|x_j| ≥ t}` (R-Sparse).
 
     The inputs kept by the magnitude mask go through the full weight; the ones it drops are not
@@ -135,6 +167,15 @@ class SparseLowRankLinear(MacMeter, nn.Module):
     spec_type = "sparse_lowrank"
     # rank: the side path's (0 would be plain magnitude sparsity; counted, not refused)
     spec_fields = {"in": "size", "out": "size", "rank": "count", "bias": "flag", "threshold": "threshold"}
+    linear_children = ("linear", "side_in", "side_out")  # LoRA skips a rank-0 side path's empty linears
+    bare_weights = False
+    decode_mode = "abs"
+    groupable = False  # the side path runs beside the masked GEMV
+    self_guided = None  # no dense twin: the side path approximates what the mask drops
+    refit = "own"
+    rank_code = False
+    norms_child = None
+    int8_form = None
 
     def to_spec(self, root: nn.Module) -> dict:
         return {"in": self.in_features, "out": self.out_features, "rank": self.rank,
@@ -156,14 +197,22 @@ class SparseLowRankLinear(MacMeter, nn.Module):
         self.macs_dense = float(self.in_features * self.out_features)
         self._init_meter()
 
+    def restore(self, root: nn.Module) -> None:
+        restore_layouts(self)
+
+    def mask_width(self) -> int:
+        return self.in_features
+
+    def refit_scores(self, x: torch.Tensor) -> torch.Tensor:
+        return x.float().abs()
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         mask = x.abs() >= self.threshold
         kept = x * mask
         side = self.side_out(self.side_in(x - kept)) if self.rank else 0
-        if not self.training and not self.meter_on:
-            y = decode_linear(self._modules["linear"], x, self._buffers["threshold"], "abs", None, self.decode_bin)
-            if y is not None:
-                return y + side
+        y = self.decode_masked(self._modules["linear"], x, self._buffers["threshold"])
+        if y is not None:
+            return y + side
         self._record(mask)
         return self.linear(kept) + side
 
@@ -175,7 +224,8 @@ class SparseLowRankLinear(MacMeter, nn.Module):
                 f"threshold={float(self.threshold):.4g}")
 
 
-class InputSparseHead(MacMeter, nn.Module):
+@register_adapter
+class InputSparseHead(MaskedDecode, MacMeter, nn.Module):
     """The LM head as input sparsity: `W (m ⊙ x)`, `m_j = 1{|x_j| ≥ t}` on the final normed hidden state.
 
     Unlike InputSparseLinear, the weight is this module's own `weight` parameter (not a child
@@ -195,6 +245,14 @@ class InputSparseHead(MacMeter, nn.Module):
     # input embedding's, stored once under the embedding's key (absent from older folders)
     spec_fields = {"in": "size", "out": "size", "bias": "flag", "threshold": "head_threshold", "tied": "flag"}
     spec_defaults = {"tied": False}
+    linear_children = ()
+    bare_weights = True  # its own `weight` (maybe the embedding's): LoRA cannot wrap it, --full trains it
+    decode_mode = "abs"
+    groupable = False
+    self_guided = None
+    refit = "own"
+    rank_code = False
+    norms_child = None
 
     def to_spec(self, root: nn.Module) -> dict:
         embeddings = root.get_input_embeddings() if hasattr(root, "get_input_embeddings") else None
@@ -223,6 +281,25 @@ class InputSparseHead(MacMeter, nn.Module):
             w.data = w.data.t().contiguous().t()
         return self
 
+    def restore(self, root: nn.Module) -> None:
+        """An untied weight column-major again; a tied one is the embedding's Parameter and stays row-major
+        (the embedding's layout, the only one save_pretrained stores a shared tensor in); an int8 head's
+        codes are buffers (own weight: None), made contiguous again."""
+        embeddings = root.get_input_embeddings() if hasattr(root, "get_input_embeddings") else None
+        own = self._parameters.get("weight")
+        if own is None or own is not getattr(embeddings, "weight", None):
+            self.column_major_()
+
+    def int8_form(self, q: torch.Tensor | None = None, scale: torch.Tensor | None = None) -> "Int8InputSparseHead":
+        """This head with int8 weights: codes q (out × in) and scales, or empty (weights loaded afterwards)."""
+        return Int8InputSparseHead.from_head(self, q, scale)
+
+    def mask_width(self) -> int:
+        return self.in_features
+
+    def refit_scores(self, x: torch.Tensor) -> torch.Tensor:
+        return x.float().abs()
+
     # A tied (row-major) weight decodes on CPU through a column-major copy of it, made on the first decode token and
     # remade when the weight changes (a plain attribute: not in the state dict, not saved). It costs the head's
     # size once more in memory and saves reading the masked-out inputs' share of the head on every token (the
@@ -245,13 +322,13 @@ class InputSparseHead(MacMeter, nn.Module):
         return cached[1]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if not self.training and not self.meter_on and x.numel() == x.shape[-1]:
+        if x.numel() == x.shape[-1] and self.decode_open():
             w = self._parameters["weight"]
             if not (torch.is_grad_enabled() and (w.requires_grad or x.requires_grad)):
                 # the masked GEMV reads weight.t() row by row: that layout, or the decode copy of a tied head
                 weight = self._column_major_weight(w)
                 if weight is not None:
-                    return decode_masked_linear(weight, x, self._buffers["threshold"], "abs", None,
+                    return decode_masked_linear(weight, x, self._buffers["threshold"], self.decode_mode, None,
                                                 self._parameters["bias"], self.decode_bin)
         mask = x.abs() >= self.threshold
         self._record(mask)
@@ -269,9 +346,10 @@ class Int8InputSparseHead(InputSparseHead):
     (`qweight` int8 in × out row-major, `weight_scale` float32 (out,), optional `bias`), so one decode token
     reads only the int8 rows of the kept inputs. Written to rana_config.json as an InputSparseHead (never
     tied: the input embedding keeps its full-precision matrix for lookups); the folder's `int8` list
-    says that its weights are int8 (`rana.modules.registry.install_int8`)."""
+    says that its weights are int8 (`rana.modules.rebuild.install_int8`)."""
 
     _float32_buffers = ("threshold", "weight_scale")
+    int8_weights = True  # its weights are int8 codes (rana.modules.int8.holds_int8)
 
     def __init__(self, in_features: int, out_features: int, bias: bool, threshold: float, *,
                  dtype: torch.dtype = torch.float32, device=None):
@@ -326,10 +404,10 @@ class Int8InputSparseHead(InputSparseHead):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         bias = self._parameters["bias"]
-        if not self.training and not self.meter_on and x.numel() == x.shape[-1] and not (
+        if x.numel() == x.shape[-1] and self.decode_open() and not (
                 torch.is_grad_enabled() and (x.requires_grad or (bias is not None and bias.requires_grad))):
             return decode_int8(self._buffers["qweight"], self._buffers["weight_scale"], x, self._buffers["threshold"],
-                               "abs", None, bias)
+                               self.decode_mode, None, bias)
         mask = x.abs() >= self.threshold
         self._record(mask)
         w = (self.qweight.t().float() * self.weight_scale[:, None]).to(x.dtype)

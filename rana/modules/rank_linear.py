@@ -13,24 +13,35 @@ import torch
 import torch.nn as nn
 
 from ..kernels.ops import decode_masked_grouped
-from .common import MacMeter, column_major_linear, decode_linear, decode_weight, row_major_linear
+from .common import MacMeter, MaskedDecode, column_major_linear, decode_weight, restore_layouts, row_major_linear
 from .int8 import Int8Linear
+from .registry import register_adapter
 
 
 def _single_token(x: torch.Tensor) -> bool:
     return x.numel() == x.shape[-1]
 
 
-class RankAdapterLinear(MacMeter, nn.Module):
+@register_adapter
+class RankAdapterLinear(MaskedDecode, MacMeter, nn.Module):
     """Drop-in for an nn.Linear: children `B` (i → r) and `A` (r → o, carries the bias).
 
     B is read whole every token (row-major, nn.Linear's own layout); A is read by kept rank only
     (column-major, so a kept rank is one contiguous row of `A.weight.t()`)."""
 
-    row_major_children = ("B",)
-    # its entry in a folder's rana_config.json (rana.modules.registry: the field kinds)
+    # what it declares as an adapter kind (rana.modules.registry: the entry in rana_config.json and the rest)
     spec_type = "rank"
     spec_fields = {"in": "size", "out": "size", "rank": "size", "bias": "flag", "threshold": "threshold"}
+    linear_children = ("B", "A")
+    row_major_children = ("B",)
+    bare_weights = False
+    decode_mode = "square"
+    groupable = True
+    self_guided = "dense"  # blended with the original dense weight of the projection it replaced
+    refit = "own"
+    rank_code = True
+    norms_child = None
+    int8_form = None
 
     def to_spec(self, root: nn.Module) -> dict:
         return {"in": self.in_features, "out": self.out_features, "rank": self.rank,
@@ -50,21 +61,23 @@ class RankAdapterLinear(MacMeter, nn.Module):
         self.macs_dense = float(self.in_features * self.out_features)
         self._init_meter()
 
-    decode_mode = "square"
+    def restore(self, root: nn.Module) -> None:
+        restore_layouts(self)
+
+    def mask_width(self) -> int:
+        return self.rank
+
+    def refit_scores(self, x: torch.Tensor) -> torch.Tensor:
+        return self.B(x).float().pow(2)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if not self.training and not self.meter_on:
-            group = self._decode_group
-            if group is not None:
-                y = group.decode(x, self._decode_slot)
-                if y is not None:
-                    return y
-            z = self.B(x)
-            y = decode_linear(self._modules["A"], z, self._buffers["threshold"], "square", None, self.decode_bin)
-            if y is not None:
-                return y
-        else:
-            z = self.B(x)
+        y = self.decode_grouped(x)
+        if y is not None:
+            return y
+        z = self.B(x)
+        y = self.decode_masked(self._modules["A"], z, self._buffers["threshold"])
+        if y is not None:
+            return y
         mask = z * z >= self.threshold
         self._record(mask)
         return self.A(z * mask)
@@ -92,6 +105,7 @@ class RankAdapterLinear(MacMeter, nn.Module):
             " (static)" if t == -math.inf else "")
 
 
+@register_adapter
 class SharedRankCode(MacMeter, nn.Module):
     """B and its masker for stacked q/k/v: computes `m ⊙ (B x)` once per input tensor.
 
@@ -101,9 +115,18 @@ class SharedRankCode(MacMeter, nn.Module):
     (:meth:`decode`) and the others take their slice of it.
     """
 
-    row_major_children = ("B",)
     spec_type = "shared_code"
     spec_fields = {"in": "size", "out": "size", "rank": "size", "consumers": "size", "threshold": "threshold"}
+    linear_children = ("B",)
+    row_major_children = ("B",)
+    bare_weights = False
+    decode_mode = "square"  # its consumers' A in one grouped launch (`decode`)
+    groupable = False  # it groups its own consumers
+    self_guided = None  # its slices are blended
+    refit = "shared"  # never called itself: scored on its slices' input
+    rank_code = True
+    norms_child = None
+    int8_form = None
 
     def to_spec(self, root: nn.Module) -> dict:
         return {"in": self.in_features, "out": self.out_features, "rank": self.rank, "consumers": self.consumers,
@@ -124,6 +147,15 @@ class SharedRankCode(MacMeter, nn.Module):
         self._decoded: tuple | None = None
         self._slices: list = []  # weak references to the consumers, in link order (q, k, v)
         self._init_meter()
+
+    def restore(self, root: nn.Module) -> None:
+        restore_layouts(self)
+
+    def mask_width(self) -> int:
+        return self.rank
+
+    def refit_scores(self, x: torch.Tensor) -> torch.Tensor:
+        return self.B(x).float().pow(2)
 
     def code(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(z, mask) for x, computed once for the `consumers` projections that share x."""
@@ -159,7 +191,7 @@ class SharedRankCode(MacMeter, nn.Module):
             z = self.B(x)
             n = len(slices)
             t = self._buffers["threshold"]
-            flat = decode_masked_grouped([z] * n, [w.t() for w in weights], [t] * n, "square", [None] * n,
+            flat = decode_masked_grouped([z] * n, [w.t() for w in weights], [t] * n, self.decode_mode, [None] * n,
                                          [s.A._parameters["bias"] for s in slices], self.decode_bin)
             lead = x.shape[:-1]
             outs = [y.view(*lead, y.shape[-1]) for y in flat]
@@ -175,11 +207,21 @@ class SharedRankCode(MacMeter, nn.Module):
         return f"in={self.in_features}, out={self.out_features}, rank={self.rank}, threshold={float(self.threshold):.4g}"
 
 
-class RankSliceLinear(nn.Module):
+@register_adapter
+class RankSliceLinear(MaskedDecode, nn.Module):
     """One of q/k/v: its rows of the stacked A applied to the shared masked code."""
 
     spec_type = "rank_slice"  # no threshold of its own: its code's
     spec_fields = {"out": "size", "rank": "size", "bias": "flag", "code": "adapter"}
+    linear_children = ("A",)
+    bare_weights = False
+    decode_mode = "square"  # its code's mask
+    groupable = False  # its code decodes q/k/v in one launch
+    self_guided = "dense"
+    refit = "owner"  # its input scores its code's threshold
+    rank_code = False
+    norms_child = None
+    int8_form = None
 
     def to_spec(self, root: nn.Module) -> dict:
         code = next(n for n, c in root.named_modules() if c is self._code())
@@ -195,6 +237,12 @@ class RankSliceLinear(nn.Module):
         self.in_features, self.out_features = code.in_features, A.shape[0]
         self.link(code)
 
+    def restore(self, root: nn.Module) -> None:
+        restore_layouts(self)
+
+    def threshold_owner(self) -> SharedRankCode | None:
+        return self._code()
+
     def link(self, code: SharedRankCode) -> None:
         # A weak, non-module reference: the code is registered once, on the attention block.
         self._code = weakref.ref(code)
@@ -208,10 +256,10 @@ class RankSliceLinear(nn.Module):
             if y is not None:
                 return y
         z, mask = code.code(x)
-        if not self.training and not code.meter_on:  # one token outside the grouped launch (int8 weights)
-            y = decode_linear(self._modules["A"], z, code._buffers["threshold"], "square", None, code.decode_bin)
-            if y is not None:
-                return y
+        # one token outside the grouped launch (int8 weights): its code's threshold, meter and sparsity bin
+        y = self.decode_masked(self._modules["A"], z, code._buffers["threshold"], meter=code)
+        if y is not None:
+            return y
         return self.A(z * mask)
 
 

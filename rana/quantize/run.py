@@ -46,12 +46,10 @@ from ..io.format import WEIGHT_FORMATS
 from ..io.paths import OutputExistsError, check_output
 from ..math.masks import subsample_rows, threshold_for_keep_fraction
 from ..math.quantize import CLIP_RATIOS, quantize_int8, relative_output_error
-from ..modules.cats import CatsActivation
+from ..modules.int8 import holds_int8
 from ..modules.experts import InputSparseExperts
-from ..modules.neuron_linear import (InputSparseHead, InputSparseLinear, NeuronThresholdLinear,
-                                     SparseLowRankLinear)
-from ..modules.rank_linear import RankAdapterLinear, RankSliceLinear, SharedRankCode
-from ..modules.registry import int8_form, int8_paths
+from ..modules.rebuild import declared_int8_form, int8_form, int8_paths
+from ..modules.registry import declared
 from ..errors import UserError
 
 if TYPE_CHECKING:  # config.py builds on this module
@@ -91,7 +89,7 @@ def quantize_targets(model: nn.Module, spec) -> list[str]:
     prefix = spec.layers + "."
     paths = [n for n, m in model.named_modules() if type(m) is nn.Linear and n.startswith(prefix)]
     head = model.get_submodule(spec.lm_head)
-    if type(head) is nn.Linear or type(head) is InputSparseHead:
+    if type(head) is nn.Linear or (declared_int8_form(head) and not holds_int8(head)):  # an adapted head: its int8 form
         paths.append(spec.lm_head)
     return paths
 
@@ -114,37 +112,23 @@ def untie_head(model: nn.Module, spec) -> bool:
 
 
 # ---------------------------------------------------------------------------------------------- thresholds
+# What each adapter kind declares about its threshold (`refit`, rana.modules.registry): "own" / "shared" kinds
+# own one and say how wide one token's mask is and what the threshold is compared with; an "owner" kind (a
+# q/k/v slice) is scored for another's.
 def mask_width(m: nn.Module) -> int:
     """Entries of one token's mask of a thresholded adapter."""
-    if isinstance(m, (RankAdapterLinear, SharedRankCode)):
-        return m.rank
-    if isinstance(m, CatsActivation):
-        return m.intermediate
-    return m.in_features
-
-
-REFIT_CLASSES = (NeuronThresholdLinear, InputSparseLinear, SparseLowRankLinear, RankAdapterLinear, SharedRankCode,
-                 CatsActivation, InputSparseHead)
+    return m.mask_width()
 
 
 def refittable(m: nn.Module) -> bool:
     """A thresholded adapter whose threshold is finite (a static one, -inf or +inf, stays as it is)."""
-    t = m._buffers.get("threshold") if isinstance(m, REFIT_CLASSES) else None
+    t = m._buffers.get("threshold") if declared(m, "refit") in ("own", "shared") else None
     return t is not None and math.isfinite(float(t))
 
 
 def scores(m: nn.Module, x: torch.Tensor) -> torch.Tensor:
     """The values adapter `m` compares with its threshold for input x (rows × mask width, fp32)."""
-    x = x.reshape(-1, x.shape[-1])
-    if isinstance(m, NeuronThresholdLinear):
-        return x.float().abs() * m.column_norms
-    if isinstance(m, RankAdapterLinear):
-        return m.B(x).float().pow(2)
-    if isinstance(m, SharedRankCode):
-        return m.B(x).float().pow(2)
-    if isinstance(m, CatsActivation):
-        return m.act(x).float().abs()
-    return x.float().abs()
+    return m.refit_scores(x.reshape(-1, x.shape[-1]))
 
 
 @torch.no_grad()
@@ -162,12 +146,10 @@ def _score_sites(layer: nn.Module) -> dict[nn.Module, nn.Module]:
     """{module whose forward input gives the scores: the adapter owning the threshold} in one layer."""
     sites = {}
     for m in layer.modules():
-        if isinstance(m, RankSliceLinear):
-            code = m._code()
-            if code is not None and refittable(code):
-                sites[m] = code
-        elif isinstance(m, REFIT_CLASSES) and not isinstance(m, SharedRankCode) and refittable(m):
-            sites[m] = m
+        refit = declared(m, "refit")
+        owner = m if refit == "own" else m.threshold_owner() if refit == "owner" else None
+        if owner is not None and refittable(owner):
+            sites[m] = owner
     return sites
 
 
@@ -310,8 +292,9 @@ def _quantize_module(model: nn.Module, path: str, hessian: torch.Tensor | None, 
 
 
 def _refresh_norms(root: nn.Module) -> None:
+    """Column norms of the int8 weights, for every adapter whose mask reads them (`norms_child`)."""
     for m in root.modules():
-        if isinstance(m, NeuronThresholdLinear):
+        if declared(m, "norms_child") is not None:
             m.refresh_norms()
 
 
@@ -361,9 +344,9 @@ def quantize_model(model: nn.Module, calibration=None, *, batch_size: int = 8, c
         norm = model.get_submodule(spec.final_norm)
         xs = [norm(h).reshape(-1, h.shape[-1]) for h, _ in batches]
         head = model.get_submodule(spec.lm_head)
-        if isinstance(head, InputSparseHead) and spec.lm_head in before:
-            t = threshold_for_keep_fraction(subsample_rows(torch.cat(xs).float().abs(),
-                                                           max(1, SCORE_ELEMENTS // head.in_features)),
+        if declared(head, "refit") == "own" and spec.lm_head in before:  # an input-sparse head
+            t = threshold_for_keep_fraction(subsample_rows(scores(head, torch.cat(xs)),
+                                                           max(1, SCORE_ELEMENTS // mask_width(head))),
                                             before[spec.lm_head]["fraction"])
             head._buffers["threshold"].fill_(t)
             fitted[spec.lm_head] = t
