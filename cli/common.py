@@ -16,11 +16,12 @@ out = Console()
 
 
 def user_errors() -> tuple[type[BaseException], ...]:
-    """Exception types that mean "the input is wrong", reported without a traceback."""
+    """Exception types that mean "the input is wrong", reported without a traceback: rana's own
+    `UserError` (every user-facing error class derives from it) and a missing file. Anything else, a bare
+    `ValueError` included, is a bug and keeps its traceback."""
     from rana.errors import UserError
 
-    # TODO(issue 26): bare ValueError goes once every user-facing raise is a UserError
-    return (UserError, ValueError, FileNotFoundError)
+    return (UserError, FileNotFoundError)
 
 
 # OSErrors about a path the user named (permissions, read-only file systems, a file where a folder

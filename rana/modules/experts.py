@@ -20,6 +20,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from transformers.activations import ACT2FN
 
+from ..errors import UserError
 from ..kernels.ops import decode_expert_masked
 from .common import MacMeter, restore_layouts
 from .registry import register_adapter
@@ -140,4 +141,4 @@ def activation_name(fn: nn.Module) -> str:
     for name in ACTIVATIONS:
         if type(ACT2FN[name]) is type(fn):
             return name
-    raise ValueError(f"the experts' activation {type(fn).__name__} is not one rana rebuilds ({', '.join(ACTIVATIONS)})")
+    raise UserError(f"the experts' activation {type(fn).__name__} is not one rana rebuilds ({', '.join(ACTIVATIONS)})")

@@ -87,6 +87,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from ..errors import UserError
+
 __all__ = [
     "LaurelConfig",
     "LaurelReport",
@@ -119,16 +121,16 @@ def skip_schedule_value(layer_idx: int) -> float:
 def parse_variant(variant: str) -> tuple[str, ...]:
     """Canonical components of a variant string, e.g. ``"LR+rw"`` -> ``("rw", "lr")``."""
     if not isinstance(variant, str) or not variant.strip():
-        raise ValueError(f"LAuReL variant must be a non-empty string, got {variant!r}")
+        raise UserError(f"LAuReL variant must be a non-empty string, got {variant!r}")
     parts = [p.strip().lower() for p in variant.split("+")]
     unknown = [p for p in parts if p not in VARIANT_COMPONENTS]
     if unknown or len(set(parts)) != len(parts):
-        raise ValueError(
+        raise UserError(
             f"unknown LAuReL variant {variant!r}: expected '+'-joined distinct components of "
             f"{', '.join(VARIANT_COMPONENTS)} (e.g. 'rw', 'lr', 'pa', 'rw+lr', 'rw+lr+pa', 'skip')"
         )
     if "rw" in parts and "skip" in parts:
-        raise ValueError(
+        raise UserError(
             f"LAuReL variant {variant!r}: 'rw' and 'skip' both weight the skip path; use one of them"
         )
     return tuple(c for c in VARIANT_COMPONENTS if c in parts)
@@ -311,19 +313,19 @@ class LaurelConfig:
     def validate(self) -> tuple[str, ...]:
         comps = parse_variant(self.variant)
         if self.init not in INITS:
-            raise ValueError(f"unknown LAuReL init {self.init!r}; expected one of {INITS}")
+            raise UserError(f"unknown LAuReL init {self.init!r}; expected one of {INITS}")
         if self.init == "skip_schedule" and "skip" not in comps:
-            raise ValueError(
+            raise UserError(
                 "LAuReL init='skip_schedule' initialises the adaptive skip weight and needs a variant "
                 f"with 'skip' (got {self.variant!r}); use init='identity' for the others"
             )
         targets = tuple(self.targets)
         if not targets or any(t not in TARGETS for t in targets) or len(set(targets)) != len(targets):
-            raise ValueError(f"LAuReL targets must be a non-empty subset of {TARGETS}, got {targets!r}")
+            raise UserError(f"LAuReL targets must be a non-empty subset of {TARGETS}, got {targets!r}")
         if "lr" in comps and (not isinstance(self.rank, int) or self.rank < 1):
-            raise ValueError(f"LAuReL rank must be a positive int, got {self.rank!r}")
+            raise UserError(f"LAuReL rank must be a positive int, got {self.rank!r}")
         if "pa" in comps and (not isinstance(self.history, int) or self.history < 1):
-            raise ValueError(f"LAuReL history must be a positive int, got {self.history!r}")
+            raise UserError(f"LAuReL history must be a positive int, got {self.history!r}")
         return comps
 
     def to_dict(self) -> dict:
@@ -336,7 +338,7 @@ class LaurelConfig:
         names = {f.name for f in fields(cls)}
         unknown = set(d) - names
         if unknown:
-            raise ValueError(f"unknown LaurelConfig keys: {sorted(unknown)}")
+            raise UserError(f"unknown LaurelConfig keys: {sorted(unknown)}")
         d = dict(d)
         if "targets" in d:
             d["targets"] = tuple(d["targets"])
@@ -558,7 +560,7 @@ def apply_laurel(
     if dim is None:
         dim = layers[0].get_submodule(spec.attn_norm or spec.attn_post_norm).weight.shape[-1]
     if "lr" in comps and config.rank > dim:
-        raise ValueError(f"LAuReL rank {config.rank} exceeds the hidden size {dim}")
+        raise UserError(f"LAuReL rank {config.rank} exceeds the hidden size {dim}")
     k = config.history if "pa" in comps else 1
     ctx = _LaurelContext(config, layers, k)
     layers_name = spec.layers

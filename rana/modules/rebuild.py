@@ -23,6 +23,7 @@ from contextlib import contextmanager
 import torch
 import torch.nn as nn
 
+from ..errors import UserError
 from ..archs import set_submodule
 from .groups import link_decode_groups
 from .int8 import Int8Linear, holds_int8
@@ -40,7 +41,7 @@ def install_empty_adapters(model: nn.Module, specs: list[dict], dtype: torch.dty
     built = {}
     for s in build_order(specs):  # codes before the slices that name them
         if s["type"] not in ADAPTER_KINDS:
-            raise ValueError(f"unknown adapter type '{s['type']}' in {record}")
+            raise UserError(f"unknown adapter type '{s['type']}' in {record}")
         built[s["path"]] = m = build_adapter(model, s, dtype, built)
         set_submodule(model, s["path"], m)
 
@@ -79,7 +80,7 @@ def install_int8(model: nn.Module, paths: list[str]) -> None:
         try:
             new = int8_form(m)
         except ValueError as e:
-            raise ValueError(f"int8 weights recorded for '{path}': {e}") from None
+            raise UserError(f"int8 weights recorded for '{path}': {e}") from None
         set_submodule(model, path, new)
 
 

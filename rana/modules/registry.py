@@ -65,6 +65,8 @@ import math
 import torch
 import torch.nn as nn
 
+from ..errors import UserError
+
 FIELD_KINDS = ("size", "count", "flag", "threshold", "head_threshold", "adapter")
 SELF_GUIDED = ("dense", "unmasked")
 REFIT = ("own", "shared", "owner")
@@ -184,7 +186,7 @@ def _check_fits(model: nn.Module, path: str, new: nn.Module) -> None:
     for attr, key in (("in_features", "in"), ("out_features", "out")):
         have, want = getattr(old, attr, None), getattr(new, attr, None)
         if isinstance(have, int) and isinstance(want, int) and have != want:
-            raise ValueError(f"adapter '{path}': its '{key}' is {want}, the model's {type(old).__name__} has {have}")
+            raise UserError(f"adapter '{path}': its '{key}' is {want}, the model's {type(old).__name__} has {have}")
 
 
 def build_adapter(model: nn.Module, spec: dict, dtype: torch.dtype, built: dict) -> nn.Module:
