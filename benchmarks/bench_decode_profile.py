@@ -247,7 +247,7 @@ def python_calls(model, ids, tokens: int = 8) -> tuple[float, list[tuple[str, fl
 
 
 # ------------------------------------------------------------------------------------ main
-def main(argv=None) -> int:
+def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("folders", nargs="+", help="rana folders (fp32 and/or int8)")
     p.add_argument("--dense", default=None, help="dense reference (default: the first folder's base model)")
@@ -259,14 +259,15 @@ def main(argv=None) -> int:
                    help="also time each folder's step with the native kernels as no-ops and with every adapter "
                         "and the head returning zeros (what the kernels, rana's Python and transformers' own step "
                         "cost; interleaved with the plain rounds)")
-    a = p.parse_args(argv)
-    torch.set_num_threads(a.threads)
+    return p.parse_args(argv)
 
+
+def load_models(a):
+    """({"dense": the dense reference, then each folder by name}, the folders' tokenizer)."""
     from transformers.utils import logging as hf_logging
 
     from rana import io as rio
     from rana.io.models import load_model
-    from rana.kernels.cpu_gemv import native_status
 
     hf_logging.set_verbosity_error()
     hf_logging.disable_progress_bar()
@@ -284,11 +285,12 @@ def main(argv=None) -> int:
         dense, _, _ = load_model(dense_ref)
     except Exception:  # noqa: BLE001
         dense, _, _ = load_model("smollm2-135m")
-    models = {"dense": dense.eval(), **models}
-    ids = tokenizer(PROMPT, return_tensors="pt").input_ids
-    print(f"threads {a.threads}, {native_status()}, {a.tokens} decode tokens after a {ids.shape[1]}-token prompt, "
-          f"{a.rounds} rounds interleaved", flush=True)
+    return {"dense": dense.eval(), **models}, tokenizer
 
+
+def measure(models: dict, ids: torch.Tensor, a):
+    """Warm-up, then `a.rounds` rounds, each: every model plain, each floor, every model instrumented.
+    Returns (plain seconds per token, probe breakdowns, floor seconds per token, greedy tokens), by model."""
     for m in models.values():  # warm-up (builds the kernel, first-touch of the weights)
         decode_loop(m, ids, 4)
     plain = {n: [] for n in models}
@@ -315,7 +317,10 @@ def main(argv=None) -> int:
             finally:
                 probe.remove()
             probes[name].append(probe.breakdown(int(seconds * 1e9), a.tokens))
+    return plain, probes, floors, tokens_out
 
+
+def print_plain(models: dict, plain: dict, tokens_out: dict) -> None:
     dense_s = statistics.median(plain["dense"])
     print("\n## plain decode step (median over rounds)\n")
     print("| model | ms / token | ratio to dense | same tokens as dense |")
@@ -325,20 +330,23 @@ def main(argv=None) -> int:
         same = sum(x == y for x, y in zip(tokens_out[name], tokens_out["dense"]))
         print(f"| {name} | {s * 1e3:.2f} | {s / dense_s:.3f} | {same}/{len(tokens_out['dense'])} |")
 
-    if floors:
-        print("\n## floors: ms per token with work taken away (median over rounds; see Floor)\n")
-        print("| model | step | kernels as no-ops | adapters and head return zeros | kernels' own time | "
-              "rana Python + ctypes | transformers' step |")
-        print("|---|---|---|---|---|---|---|")
-        for name in models:
-            if name == "dense":
-                continue
-            step = statistics.median(plain[name])
-            no_kernels = statistics.median(floors[(name, "kernels")])
-            zeros = statistics.median(floors[(name, "zeros")])
-            cells = [step, no_kernels, zeros, step - no_kernels, no_kernels - zeros, zeros]
-            print(f"| {name} | " + " | ".join(f"{c * 1e3:.2f}" for c in cells) + " |")
 
+def print_floors(models: dict, plain: dict, floors: dict) -> None:
+    print("\n## floors: ms per token with work taken away (median over rounds; see Floor)\n")
+    print("| model | step | kernels as no-ops | adapters and head return zeros | kernels' own time | "
+          "rana Python + ctypes | transformers' step |")
+    print("|---|---|---|---|---|---|---|")
+    for name in models:
+        if name == "dense":
+            continue
+        step = statistics.median(plain[name])
+        no_kernels = statistics.median(floors[(name, "kernels")])
+        zeros = statistics.median(floors[(name, "zeros")])
+        cells = [step, no_kernels, zeros, step - no_kernels, no_kernels - zeros, zeros]
+        print(f"| {name} | " + " | ".join(f"{c * 1e3:.2f}" for c in cells) + " |")
+
+
+def print_components(models: dict, probes: dict) -> None:
     print("\n## instrumented: µs per token by component (median over rounds)\n")
     keys = list(probes["dense"][0])
     print("| component | " + " | ".join(models) + " |")
@@ -347,14 +355,35 @@ def main(argv=None) -> int:
         row = [statistics.median(r[k] for r in probes[n]) for n in models]
         print(f"| {k} | " + " | ".join(f"{v:.0f}" for v in row) + " |")
 
+
+def print_counts(models: dict, ids: torch.Tensor) -> None:
+    print("\n## per token: Python calls (cProfile) and torch ops (torch.profiler)\n")
+    for name, m in models.items():
+        calls, top = python_calls(m, ids)
+        ops, top_ops = op_counts(m, ids)
+        print(f"- {name}: {calls:.0f} Python calls, {ops:.0f} aten ops per token")
+        print("  - top rana calls: " + ", ".join(f"{n} {c:.0f}" for n, c in top))
+        print("  - top ops: " + ", ".join(f"{n} {c}" for n, c in top_ops))
+
+
+def main(argv=None) -> int:
+    a = parse_args(argv)
+    torch.set_num_threads(a.threads)
+
+    from rana.kernels.cpu_gemv import native_status
+
+    models, tokenizer = load_models(a)
+    ids = tokenizer(PROMPT, return_tensors="pt").input_ids
+    print(f"threads {a.threads}, {native_status()}, {a.tokens} decode tokens after a {ids.shape[1]}-token prompt, "
+          f"{a.rounds} rounds interleaved", flush=True)
+
+    plain, probes, floors, tokens_out = measure(models, ids, a)
+    print_plain(models, plain, tokens_out)
+    if floors:
+        print_floors(models, plain, floors)
+    print_components(models, probes)
     if not a.no_counts:
-        print("\n## per token: Python calls (cProfile) and torch ops (torch.profiler)\n")
-        for name, m in models.items():
-            calls, top = python_calls(m, ids)
-            ops, top_ops = op_counts(m, ids)
-            print(f"- {name}: {calls:.0f} Python calls, {ops:.0f} aten ops per token")
-            print("  - top rana calls: " + ", ".join(f"{n} {c:.0f}" for n, c in top))
-            print("  - top ops: " + ", ".join(f"{n} {c}" for n, c in top_ops))
+        print_counts(models, ids)
     return 0
 
 

