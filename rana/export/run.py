@@ -37,9 +37,9 @@ Both formats hold
   a model card (``README.md``, ``recipe.json``);
 * the remote code (the whole model in the remote-code format, the fallback in the quantizer
   format): ``configuration_rana.py`` and ``modeling_rana.py`` (rendered from
-  ``rana/export/template/``) and *copies of the rana sources themselves* — the adapter modules
-  (``common.py``, ``int8.py``, ``rank_linear.py``, ``neuron_linear.py``, ``cats.py``, ``experts.py``, ``rotation.py``,
-  ``groups.py``, ``registry.py``), the masked-GEMV kernels
+  ``rana/export/template/``) and *copies of the rana sources themselves* — the module of every
+  registered adapter kind and what it imports (``registry.py``, ``rebuild.py``, ``common.py``, ``int8.py``,
+  ``groups.py``, ``errors.py``, …: `rana.export.render` derives the list), the masked-GEMV kernels
   (``masked_gemv.py``, ``triton_gemv.py`` (triton imported lazily and optionally), ``ops.py`` (the
   torch.library ops the modules decode through) and ``cpu_gemv.py`` with the native CPU kernel's C
   source), LAuReL (``laurel.py``) and the architecture spec (``archspec.py``: the ``ArchSpec``

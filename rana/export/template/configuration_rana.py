@@ -2,9 +2,9 @@
 
 It is the stock configuration of the source architecture plus what rebuilds the adapters:
 
-* ``rana_adapters``: one dict per adapter module (dotted ``path``, ``type`` — rank / shared_code /
-  rank_slice / neuron / input_sparse / cats —, shapes, ``rank``, ``threshold``; a threshold of
-  ``null`` means -inf, i.e. every rank / neuron / input stays active);
+* ``rana_adapters``: one dict per adapter module (dotted ``path``, ``type`` — one of the registered
+  adapter kinds, `registry.py` —, shapes, ``rank``, ``threshold``; a threshold of ``null`` means -inf,
+  i.e. every rank / neuron / input stays active);
 * ``rana_laurel``: the LAuReL settings (``LaurelConfig.to_dict()``) or ``null``;
 * ``rana_format_version`` / ``rana_version``: the rana folder format and package version the export
   was made from.
