@@ -22,8 +22,22 @@ def _single_token(x: torch.Tensor) -> bool:
     return x.numel() == x.shape[-1]
 
 
+class RankCode:
+    """What the two kinds computing a rank code ``z = B x`` (B row-major, the mask on ``z²``) share:
+    their layouts after a load, and the mask `rana quantize` refits."""
+
+    def restore(self, root: nn.Module) -> None:
+        restore_layouts(self)
+
+    def mask_width(self) -> int:
+        return self.rank
+
+    def refit_scores(self, x: torch.Tensor) -> torch.Tensor:
+        return self.B(x).float().pow(2)
+
+
 @register_adapter
-class RankAdapterLinear(MaskedDecode, MacMeter, nn.Module):
+class RankAdapterLinear(RankCode, MaskedDecode, MacMeter, nn.Module):
     """Drop-in for an nn.Linear: children `B` (i → r) and `A` (r → o, carries the bias).
 
     B is read whole every token (row-major, nn.Linear's own layout); A is read by kept rank only
@@ -61,15 +75,6 @@ class RankAdapterLinear(MaskedDecode, MacMeter, nn.Module):
         self.macs_dense = float(self.in_features * self.out_features)
         self._init_meter()
 
-    def restore(self, root: nn.Module) -> None:
-        restore_layouts(self)
-
-    def mask_width(self) -> int:
-        return self.rank
-
-    def refit_scores(self, x: torch.Tensor) -> torch.Tensor:
-        return self.B(x).float().pow(2)
-
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = self.decode_grouped(x)
         if y is not None:
@@ -106,7 +111,7 @@ class RankAdapterLinear(MaskedDecode, MacMeter, nn.Module):
 
 
 @register_adapter
-class SharedRankCode(MacMeter, nn.Module):
+class SharedRankCode(RankCode, MacMeter, nn.Module):
     """B and its masker for stacked q/k/v: computes `m ⊙ (B x)` once per input tensor.
 
     The three projections are called with the *same* tensor in every supported attention
@@ -147,15 +152,6 @@ class SharedRankCode(MacMeter, nn.Module):
         self._decoded: tuple | None = None
         self._slices: list = []  # weak references to the consumers, in link order (q, k, v)
         self._init_meter()
-
-    def restore(self, root: nn.Module) -> None:
-        restore_layouts(self)
-
-    def mask_width(self) -> int:
-        return self.rank
-
-    def refit_scores(self, x: torch.Tensor) -> torch.Tensor:
-        return self.B(x).float().pow(2)
 
     def code(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(z, mask) for x, computed once for the `consumers` projections that share x."""
