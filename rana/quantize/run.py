@@ -38,7 +38,7 @@ import torch
 import torch.nn as nn
 
 from ..accounting import metering
-from ..archs import decoder_layers, get_arch, set_submodule, stubbed_decoder_layers
+from ..archs import decoder_layers, get_arch, set_submodule, stubbed_decoder_layers, text_config
 from ..checks import check_writable_dir
 from ..data import DataError, calibration_batches, load_texts, tokenize_stream
 from ..io.folder import check_folder, is_rana_dir, load, read_meta, read_plan, save
@@ -99,10 +99,7 @@ def untie_head(model: nn.Module, spec) -> bool:
     head = model.get_submodule(spec.lm_head)
     emb = model.get_input_embeddings()
     tied = getattr(head, "weight", None) is getattr(emb, "weight", None)
-    configs = {id(model.config): model.config}
-    if hasattr(model.config, "get_text_config"):
-        text = model.config.get_text_config()
-        configs[id(text)] = text
+    configs = {id(c): c for c in (model.config, text_config(model.config))}  # the wrapper and its text config
     for cfg in configs.values():
         if getattr(cfg, "tie_word_embeddings", False):
             cfg.tie_word_embeddings = False
