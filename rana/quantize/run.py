@@ -32,7 +32,7 @@ import math
 import os
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING, Callable
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn as nn
@@ -50,6 +50,7 @@ from ..modules.int8 import holds_int8
 from ..modules.experts import InputSparseExperts
 from ..modules.rebuild import declared_int8_form, int8_form, int8_paths
 from ..modules.registry import declared
+from ..units import Progress
 from ..errors import UserError
 
 if TYPE_CHECKING:  # config.py builds on this module
@@ -297,7 +298,7 @@ def _refresh_norms(root: nn.Module) -> None:
 
 @torch.no_grad()
 def quantize_model(model: nn.Module, calibration=None, *, batch_size: int = 8, clip_ratios=CLIP_RATIOS,
-                   progress: Callable[[str, int, int], None] | None = None) -> dict:
+                   progress: Progress | None = None) -> dict:
     """Quantize `model` (a rana model, or a dense one) to int8 weights in place; returns the report that
     plan.json keeps as `quantization`. `calibration`: token ids (sequences × length) or an object with
     `.fit` (rana.data.CalibrationData); None: max-abs scales, thresholds kept. See the module docstring."""
@@ -377,7 +378,7 @@ def calibration_ids(tokenizer, dataset: str | None, calib_tokens: int, seq_len: 
 
 
 def quantize_folder(config: QuantizeConfig,
-                    progress: Callable[[str, int, int], None] | None = None) -> tuple[Path, dict]:
+                    progress: Progress | None = None) -> tuple[Path, dict]:
     """`rana quantize SRC --weights int8 --out OUT`: the rana folder `config.src` with int8 weights, written
     atomically to `config.out`; returns (out, the quantization report). `calib_tokens` 0: no calibration.
     Everything is checked before the folder is loaded (--weights, the folders, the calibration sizes)."""
