@@ -78,6 +78,10 @@ class LayerContext:
 # ---------------------------------------------------------------------------- what a method is
 
 
+# what a step runs: swaps the layer's modules in place and returns plan entries
+Apply = Callable[[LayerContext, dict[str, InputStats]], dict]
+
+
 @dataclass(frozen=True)
 class Step:
     """One calibrate-then-swap round inside a layer. Steps run in order, each calibrated on
@@ -87,8 +91,16 @@ class Step:
     targets: tuple[str, ...]
     stop: str
     moments: tuple[str, ...]
-    apply: Callable[[LayerContext, dict[str, InputStats]], dict]
+    apply: Apply
     block: str = "attention"
+
+
+def per_role_steps(*, qkv_in: Apply, o: Apply, mlp_in: Apply, down: Apply) -> tuple[Step, ...]:
+    """One step per role, for a method that adapts each projection on its own input (teal, rsparse,
+    larosa): q/k/v, then o (calibrated on the adapted q/k/v's output), then up/gate, then down (on the
+    adapted up/gate's output). No step needs second moments."""
+    return (Step(("qkv_in",), "qkv_in", (), qkv_in), Step(("o",), "o", (), o),
+            Step(("mlp_in",), "mlp_in", (), mlp_in, "mlp"), Step(("down",), "down", (), down, "mlp"))
 
 
 @dataclass(frozen=True)

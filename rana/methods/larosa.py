@@ -42,7 +42,7 @@ import torch.nn as nn
 
 from ..archs import ArchSpec, decoder_layers, text_config
 from ..archs.base import UnsupportedArchitectureError
-from .base import MemoryNeed, Method, Step, function_preserving, register
+from .base import MemoryNeed, Method, function_preserving, per_role_steps, register
 from .rana import Candidates, rana_method
 from .teal import down, o_projection, qkv, up_gate
 from ..errors import UserError
@@ -288,8 +288,7 @@ def prepare(model: nn.Module, spec: ArchSpec, sequences: torch.Tensor, *, batch_
 # thresholds as teal's, on the rotated inputs
 LAROSA = register(Method(
     "larosa", ("q", "k", "v", "o", "up", "gate", "down"),
-    (Step(("qkv_in",), "qkv_in", (), qkv), Step(("o",), "o", (), o_projection),
-     Step(("mlp_in",), "mlp_in", (), up_gate, "mlp"), Step(("down",), "down", (), down, "mlp")),
+    per_role_steps(qkv_in=qkv, o=o_projection, mlp_in=up_gate, down=down),
     min_fraction=0.0,
     description="LaRoSA: magnitude sparsity on PCA-rotated inputs (one residual rotation, per-KV-head rotations "
                 "of o's input, all folded into the weights: 0 extra MACs; down as teal; untied LM head stored)",
