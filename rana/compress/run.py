@@ -21,7 +21,7 @@ from ..units import DTYPES, Progress
 from .calibrate import capture_first_layer_inputs, collect_inputs, run_layer
 from .config import CompressConfig
 from .distributed import global_roles
-from .head import budget_summary, compress_lm_head
+from .lm_head import budget_summary, compress_lm_head
 from .job import CompressJob, preflight
 from .placement import as_module_input
 from .profile import profile_and_allocate
@@ -46,7 +46,7 @@ class CompressResult:
 
 def budget_for(model_config, method: Method, target: float, seq_len: int, lm_head: str = "dense") -> tuple[float, dict]:
     """The fraction of the adapted parts' dense cost that makes the whole model spend `target`
-    (`lm_head` "sparse": the LM head is one of the adapted parts, rana.compress.head)."""
+    (`lm_head` "sparse": the LM head is one of the adapted parts, rana.compress.lm_head)."""
     if (problem := method.unsupported_reason(get_arch(model_config))) is not None:
         raise UnsupportedArchitectureError(problem)
     dense = dense_macs(model_config, seq_len)

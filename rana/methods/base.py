@@ -132,7 +132,7 @@ class Method:
     # a model-level transform before the layer loop (e.g. larosa's folded rotations):
     # prepare(model, spec, fit_sequences, batch_size=, streamed=) -> what it did, for the plan
     prepare: Callable[..., dict] | None = None
-    # what `--lm-head auto` does: "sparse" adapts the LM head like every projection (rana.compress.head)
+    # what `--lm-head auto` does: "sparse" adapts the LM head like every projection (rana.compress.lm_head)
     lm_head: str = "dense"
     # per-token MACs the method adds that the dense model does not spend (wina-ortho's explicit
     # rotations), from the model config: the budget takes them from the adapted parts
