@@ -5,7 +5,7 @@ MLP is calibrated on the output of the already-compressed attention). A step nam
 whose inputs it needs (`targets`, see `rana.archs`), where the layer's forward can stop once
 they are recorded, which need second moments, and an `apply` that swaps modules in place
 (through `install_choice` / `install_stacked_qkv`) and returns plan entries. All budgets are
-MACs per token (README "What `--flops F` means").
+MACs per token (docs/method.md §3 "What `--flops F` means").
 
 Adding a method is one file in this package that ends with `register(Method(...))`, imported
 in `rana/methods/__init__.py` (as adding an architecture is in `rana/archs/`).
