@@ -42,8 +42,8 @@ def plan_table(plan: dict) -> Table:
 
 def report_budget(budget: dict) -> None:
     """Before calibration: what the adapted projections, the layers and the LM head keep (one
-    line), and one warning line when that is harsh (rana.compress.head)."""
-    from rana.compress.head import describe_budget, harsh_budget_warning
+    line), and one warning line when that is harsh (rana.compress.lm_head)."""
+    from rana.compress.lm_head import describe_budget, harsh_budget_warning
 
     console.print(describe_budget(budget), highlight=False, soft_wrap=True)
     if (warning := harsh_budget_warning(budget)) is not None:

@@ -6,7 +6,7 @@ from typing import Iterator
 
 import torch.nn as nn
 
-from .archs import ArchSpec, UnsupportedArchitectureError, get_arch
+from .archs import ArchSpec, UnsupportedArchitectureError, get_arch, text_config
 from .math.flops import LayerDims, dense_layer_macs, dense_model_macs
 from .modules.common import MacMeter
 
@@ -17,7 +17,7 @@ MLP_PARTS = ("up", "gate", "down", "router")  # router: mixtures of experts only
 def layer_dims(config, spec: ArchSpec | None = None) -> list[LayerDims]:
     """Per-layer dimensions read from a HF config (sliding-window layers included)."""
     spec = spec or get_arch(config)
-    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    text = text_config(config)
     n_heads = text.num_attention_heads
     head_dim = getattr(text, "head_dim", None) or text.hidden_size // n_heads
     n_kv = getattr(text, "num_key_value_heads", None) or n_heads
@@ -53,7 +53,7 @@ def _moe_dims(text, spec: ArchSpec) -> tuple[int, int]:
 
 
 def dense_macs(config, seq_len: int = 512) -> dict[str, float]:
-    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    text = text_config(config)
     return dense_model_macs(layer_dims(config), text.vocab_size, seq_len)
 
 

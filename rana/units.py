@@ -6,6 +6,7 @@ layer of the package may use it.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from typing import Any
 import re
 
@@ -15,6 +16,11 @@ from .errors import UserError
 
 DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
           "float16": torch.float16, "fp16": torch.float16}
+
+
+# `progress(what, done, total)`: how a long step reports itself; the CLI passes a rich bar, the library
+# reports through it (total None: not known in advance)
+Progress = Callable[[str, int, "int | None"], None]
 
 
 def dtype_bytes(dtype: str) -> int:

@@ -18,7 +18,9 @@ from transformers import (
     Qwen2ForCausalLM,
 )
 
-from rana.archs import ArchSpec, get_arch
+from rana.archs import get_arch
+from rana.archs.gemma2 import GEMMA2 as GEMMA2_SPEC
+from rana.archs.gpt_neox import GPT_NEOX as NEOX_SPEC
 from rana.modules.laurel import (
     LaurelConfig,
     LaurelReport,
@@ -38,32 +40,6 @@ SMALL = dict(
     num_key_value_heads=2,
     vocab_size=V,
     max_position_embeddings=128,
-)
-
-# Specs for architectures that are not registered (yet): passed explicitly, never registered here.
-GEMMA2_SPEC = ArchSpec(
-    model_types=("gemma2",),
-    mlp_norm="pre_feedforward_layernorm",
-    attn_post_norm="post_attention_layernorm",
-    mlp_post_norm="post_feedforward_layernorm",
-)
-NEOX_SPEC = ArchSpec(
-    model_types=("gpt_neox",),
-    layers="gpt_neox.layers",
-    embed="gpt_neox.embed_in",
-    final_norm="gpt_neox.final_layer_norm",
-    lm_head="embed_out",
-    attn="attention",
-    q=None,
-    k=None,
-    v=None,
-    qkv_fused="query_key_value",
-    o="dense",
-    up="dense_h_to_4h",
-    gate=None,
-    down="dense_4h_to_h",
-    act="act",
-    parallel_residual=True,
 )
 
 
@@ -90,6 +66,7 @@ def make(arch="llama", layers=3, seed=0):
     return model.float().eval()
 
 
+# the registered specs, passed explicitly (apply_laurel(spec=...)) rather than looked up
 SPECS = {"gemma2": GEMMA2_SPEC, "gpt_neox": NEOX_SPEC}
 
 

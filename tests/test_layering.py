@@ -1,6 +1,6 @@
 """The house rules, read from the source: which part of rana may import which.
 
-The tiers (README "Architecture"; docs/design.md):
+The tiers (docs/design.md "Four tiers"):
 
 * leaves — `rana.units`, `rana.errors`, `rana.settings`, `rana.archs`, `rana.math`, `rana.kernels` — know nothing of rana;
 * building blocks — `rana.modules`, `rana.data`, `rana.accounting`, `rana.io`, `rana.methods`, … —

@@ -18,7 +18,7 @@ from helpers import tiny_calibration, tiny_compress_config, tiny_model
 from rana.accounting import dense_macs, measured_macs, metering
 from rana.cli.app import app
 from rana.compress import BudgetError, budget_for, compress_model
-from rana.compress.head import HARSH_FRACTION, LARGE_HEAD_SHARE, harsh_budget_warning
+from rana.compress.lm_head import HARSH_FRACTION, LARGE_HEAD_SHARE, harsh_budget_warning
 from rana.methods import get_method
 from rana.modules import InputSparseHead
 

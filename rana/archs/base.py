@@ -137,8 +137,7 @@ class ArchSpec:
         """m in x + m·block(x) for a model of `config` (1.0 unless `residual_multiplier_config`)."""
         if not self.residual_multiplier_config:
             return 1.0
-        text = config.get_text_config() if hasattr(config, "get_text_config") else config
-        value = getattr(text, self.residual_multiplier_config, None)
+        value = getattr(text_config(config), self.residual_multiplier_config, None)
         return 1.0 if value is None else float(value)
 
     def block_of(self, module_name: str) -> str | None:
@@ -187,6 +186,12 @@ def get_arch(config_or_model_type) -> ArchSpec:
         if flag is not None and bool(flag) != spec.parallel_residual:
             spec = replace(spec, parallel_residual=bool(flag))
     return spec
+
+
+def text_config(config):
+    """The config of the language model itself: a multimodal wrapper's text config (Gemma 3 keeps the
+    decoder's dimensions in `config.text_config`), any other config as it is."""
+    return config.get_text_config() if hasattr(config, "get_text_config") else config
 
 
 def set_submodule(root: nn.Module, path: str, module: nn.Module) -> None:

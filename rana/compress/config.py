@@ -18,7 +18,7 @@ from ..units import parse_memory
 
 from ..methods import METHODS  # the registry names, current when read
 from ..methods.base import get_method, renamed_hint
-from .head import check_lm_head, resolve_lm_head
+from .lm_head import check_lm_head, resolve_lm_head
 
 
 # Thresholds are quantiles of activation statistics: fewer fitting tokens than this give noisy,

@@ -18,7 +18,7 @@ import torch
 
 from . import distributed
 from ..accounting import layer_dims
-from ..archs import get_arch
+from ..archs import get_arch, text_config
 from ..methods import get_method
 from ..units import dtype_bytes, fmt_bytes
 from ..errors import UserError
@@ -62,7 +62,7 @@ def layer_weight_bytes(model_config, dtype: str = "float32") -> float:
 
 
 def model_weight_bytes(model_config, dtype: str = "float32") -> float:
-    text = model_config.get_text_config() if hasattr(model_config, "get_text_config") else model_config
+    text = text_config(model_config)
     e = dtype_bytes(dtype)
     dims = layer_dims(model_config)
     embed = text.vocab_size * text.hidden_size * e * (1 if getattr(text, "tie_word_embeddings", False) else 2)
@@ -79,7 +79,7 @@ def estimate_memory(model_config, config, *, method: str | None = None, device: 
     calibration hidden states of all tokens (unless spilled to disk) are in the same memory too."""
     need = get_method(method or config.method).memory
     device = device or config.device
-    text = model_config.get_text_config() if hasattr(model_config, "get_text_config") else model_config
+    text = text_config(model_config)
     dims = layer_dims(model_config)
     d = max(dims, key=lambda d: d.intermediate * d.hidden + d.q_out * d.hidden)
     e = dtype_bytes(config.dtype)

@@ -17,11 +17,11 @@ from ..io.folder import OffloadedLayers
 from ..math.flops import adapted_fraction
 from ..methods import LayerContext, Method, get_method, qkv_modules, relative_error
 from ..quantize import check_quantizable, quantize_model
-from ..units import DTYPES
+from ..units import DTYPES, Progress
 from .calibrate import capture_first_layer_inputs, collect_inputs, run_layer
 from .config import CompressConfig
 from .distributed import global_roles
-from .head import budget_summary, compress_lm_head
+from .lm_head import budget_summary, compress_lm_head
 from .job import CompressJob, preflight
 from .placement import as_module_input
 from .profile import profile_and_allocate
@@ -46,7 +46,7 @@ class CompressResult:
 
 def budget_for(model_config, method: Method, target: float, seq_len: int, lm_head: str = "dense") -> tuple[float, dict]:
     """The fraction of the adapted parts' dense cost that makes the whole model spend `target`
-    (`lm_head` "sparse": the LM head is one of the adapted parts, rana.compress.head)."""
+    (`lm_head` "sparse": the LM head is one of the adapted parts, rana.compress.lm_head)."""
     if (problem := method.unsupported_reason(get_arch(model_config))) is not None:
         raise UnsupportedArchitectureError(problem)
     dense = dense_macs(model_config, seq_len)
@@ -94,7 +94,7 @@ def _step_error(ctx: LayerContext, step_name: str, stats) -> Callable[[], float]
 
 
 def compress_model(model: nn.Module, tokenizer, config: CompressConfig, calibration,
-                   progress: Callable[[str, int, int], None] | None = None, *,
+                   progress: Progress | None = None, *,
                    lazy_weights: LazyWeights | None = None,
                    on_budget: Callable[[dict], None] | None = None) -> CompressResult:
     """Compress `model` in place with calibration sequences (`calibration.fit`, `.heldout`).
@@ -122,7 +122,7 @@ def compress_model(model: nn.Module, tokenizer, config: CompressConfig, calibrat
 
 @torch.no_grad()
 def _compress_layers(model: nn.Module, tokenizer, config: CompressConfig, calibration, method: Method, fraction: float,
-                     budget_info: dict, progress: Callable[[str, int, int], None] | None,
+                     budget_info: dict, progress: Progress | None,
                      lazy_weights: LazyWeights | None, resources: Resources) -> CompressResult:
     """The loop, for a validated config, its budget and its resources."""
     spec = get_arch(model.config)
@@ -251,7 +251,7 @@ def calibration_data(config: CompressConfig, tokenizer):
         return attempt(None)
 
 
-def compress(config: CompressConfig | CompressJob, progress: Callable[[str, int, int], None] | None = None,
+def compress(config: CompressConfig | CompressJob, progress: Progress | None = None,
              on_budget: Callable[[dict], None] | None = None) -> CompressResult:
     """Load the model and calibration data named by a config that passed `preflight` (a bare
     `CompressConfig` runs the pre-flight here first), then compress (`on_budget`: see compress_model)."""

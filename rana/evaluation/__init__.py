@@ -19,7 +19,8 @@ from ..checks import check_inputs
 from ..io import check_folder, is_rana_dir
 from ..io.models import model_inputs, resolve
 from ..io.paths import check_output_file, local_inputs
-from .common import Progress, eval_mode, model_device
+from ..units import Progress  # re-exported: the progress callback the commands pass in
+from .common import eval_mode, model_device
 from .diagnostics import layer_errors, rank_adapters, rank_contributions
 from .harness import LOCAL_TASKS, check_tasks, lm_eval_tasks, task_manager, write_local_tasks
 from .decode_step import StepRunner, step_greedy

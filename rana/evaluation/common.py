@@ -1,14 +1,10 @@
-"""What every measurement shares: where a model's inputs go, eval mode for the time of a
-measurement, and the progress callback the commands pass in."""
+"""What every measurement shares: where a model's inputs go and eval mode for the time of a
+measurement."""
 from __future__ import annotations
 
-from collections.abc import Callable
 from contextlib import contextmanager
 
 import torch
-
-# `progress(what, done, total)`: the CLI passes a rich bar, the library reports through it
-Progress = Callable[[str, int, "int | None"], None]
 
 
 def model_device(model: torch.nn.Module) -> torch.device:

@@ -22,8 +22,8 @@ from ..data import DataError
 from ..errors import UserError
 from ..io import is_rana_dir
 from ..io.models import LoadedModel, load_model, open_model
+from ..units import Progress
 from . import diagnostics
-from .common import Progress
 from .config import EvalConfig, check_request, check_serve_available
 from .harness import lm_eval_tasks
 from .latency import measure_latency

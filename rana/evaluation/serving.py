@@ -41,7 +41,8 @@ from ..io import is_rana_dir
 from ..io import save as save_rana_folder
 from ..io.models import clear_gguf_quantizer
 from ..kernels.cpu_gemv import native_status
-from .common import Progress, model_device
+from ..units import Progress
+from .common import model_device
 from .latency import DEFAULT_PROMPT
 
 SERVE_MODE = "serve"

@@ -14,6 +14,7 @@ import torch.nn as nn
 from ..checks import check_available, check_seq_len
 from ..io.format import write_json
 from ..io import atomic_dir, save
+from ..units import Progress
 from .checkpoints import CHECKPOINTS, TRAIN_LOG, CheckpointFolder
 from .config import SWEEP_FACTORS, FinetuneConfig, FinetuneResult, NonFiniteLossError, default_lr
 from .data import prepare_blocks
@@ -23,7 +24,7 @@ from .trainer import LossFn, Trainer, TrainResult, make_accelerator, next_token_
 SUMMARY = "finetune.json"
 
 
-def finetune(config: FinetuneConfig, progress: Callable[[str, int, int], None] | None = None,
+def finetune(config: FinetuneConfig, progress: Progress | None = None,
              on_log: Callable[[dict], None] | None = None, *, loss: LossFn = next_token_loss) -> FinetuneResult:
     """Fine-tune `config.source` and (with `config.out`) save a rana folder.
 

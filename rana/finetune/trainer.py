@@ -25,6 +25,7 @@ import torch.nn as nn
 from torch.utils.data import DataLoader
 
 from ..modules.laurel import laurel_parameters
+from ..units import Progress
 from .checkpoints import CheckpointFolder
 from .config import FinetuneConfig, FinetuneError, NonFiniteLossError
 from .data import OrderedBlocks
@@ -127,7 +128,7 @@ class Trainer:
     def __init__(self, config: FinetuneConfig, source: Source, train_blocks: torch.Tensor,
                  heldout_blocks: torch.Tensor, accelerator, checkpoints: CheckpointFolder, *,
                  log: Iterable[dict] = (), loss: LossFn = next_token_loss,
-                 progress: Callable[[str, int, int], None] | None = None,
+                 progress: Progress | None = None,
                  on_log: Callable[[dict], None] | None = None, started_at: float | None = None):
         from accelerate.utils import DistributedType
 

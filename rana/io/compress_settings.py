@@ -56,7 +56,7 @@ class CompressSettings(Settings):
     offload_dir: str | None = setting(None, "stream the decoder layers from the checkpoint's safetensors one at a "
                                             "time; compressed layers and calibration activations are kept here",
                                       flags=("--offload-dir",), cli_type=Path)
-    # folders record the resolved value (rana.compress.head), never "auto"; older ones hold "dense"
+    # folders record the resolved value (rana.compress.lm_head), never "auto"; older ones hold "dense"
     lm_head: str = setting("auto", "auto: the method's choice (rana: sparse; the peers as published: dense) | dense: "
                                    "the LM head stays dense and the layers absorb the whole cut | sparse: input sparsity "
                                    "|x_j| ≥ t on the head's input, the same fraction of its MACs as every adapted "

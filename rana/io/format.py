@@ -16,6 +16,7 @@ from pathlib import Path
 import torch
 import torch.nn as nn
 
+from ..archs import text_config
 from ..modules import rebuild
 from ..modules.registry import adapter_class
 from ..errors import UserError
@@ -105,7 +106,7 @@ def weights_meta(model: nn.Module) -> dict:
 def tied_keys(model: nn.Module) -> set[str]:
     """Parameter names that `tie_weights()` fills from the input embedding (e.g. lm_head.weight):
     no checkpoint needs to hold them."""
-    text = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+    text = text_config(model.config)
     if not getattr(text, "tie_word_embeddings", False):
         return set()
     out = model.get_output_embeddings()

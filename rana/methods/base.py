@@ -5,7 +5,7 @@ MLP is calibrated on the output of the already-compressed attention). A step nam
 whose inputs it needs (`targets`, see `rana.archs`), where the layer's forward can stop once
 they are recorded, which need second moments, and an `apply` that swaps modules in place
 (through `install_choice` / `install_stacked_qkv`) and returns plan entries. All budgets are
-MACs per token (README "What `--flops F` means").
+MACs per token (docs/method.md §3 "What `--flops F` means").
 
 Adding a method is one file in this package that ends with `register(Method(...))`, imported
 in `rana/methods/__init__.py` (as adding an architecture is in `rana/archs/`).
@@ -78,6 +78,10 @@ class LayerContext:
 # ---------------------------------------------------------------------------- what a method is
 
 
+# what a step runs: swaps the layer's modules in place and returns plan entries
+Apply = Callable[[LayerContext, dict[str, InputStats]], dict]
+
+
 @dataclass(frozen=True)
 class Step:
     """One calibrate-then-swap round inside a layer. Steps run in order, each calibrated on
@@ -87,8 +91,16 @@ class Step:
     targets: tuple[str, ...]
     stop: str
     moments: tuple[str, ...]
-    apply: Callable[[LayerContext, dict[str, InputStats]], dict]
+    apply: Apply
     block: str = "attention"
+
+
+def per_role_steps(*, qkv_in: Apply, o: Apply, mlp_in: Apply, down: Apply) -> tuple[Step, ...]:
+    """One step per role, for a method that adapts each projection on its own input (teal, rsparse,
+    larosa): q/k/v, then o (calibrated on the adapted q/k/v's output), then up/gate, then down (on the
+    adapted up/gate's output). No step needs second moments."""
+    return (Step(("qkv_in",), "qkv_in", (), qkv_in), Step(("o",), "o", (), o),
+            Step(("mlp_in",), "mlp_in", (), mlp_in, "mlp"), Step(("down",), "down", (), down, "mlp"))
 
 
 @dataclass(frozen=True)
@@ -120,7 +132,7 @@ class Method:
     # a model-level transform before the layer loop (e.g. larosa's folded rotations):
     # prepare(model, spec, fit_sequences, batch_size=, streamed=) -> what it did, for the plan
     prepare: Callable[..., dict] | None = None
-    # what `--lm-head auto` does: "sparse" adapts the LM head like every projection (rana.compress.head)
+    # what `--lm-head auto` does: "sparse" adapts the LM head like every projection (rana.compress.lm_head)
     lm_head: str = "dense"
     # per-token MACs the method adds that the dense model does not spend (wina-ortho's explicit
     # rotations), from the model config: the budget takes them from the adapted parts

@@ -40,9 +40,9 @@ from functools import partial
 import torch
 import torch.nn as nn
 
-from ..archs import ArchSpec, decoder_layers
+from ..archs import ArchSpec, decoder_layers, text_config
 from ..archs.base import UnsupportedArchitectureError
-from .base import MemoryNeed, Method, Step, function_preserving, register
+from .base import MemoryNeed, Method, function_preserving, per_role_steps, register
 from .rana import Candidates, rana_method
 from .teal import down, o_projection, qkv, up_gate
 from ..errors import UserError
@@ -101,7 +101,7 @@ def _normalised_moment(h: torch.Tensor) -> torch.Tensor:
 def rotation_statistics(model: nn.Module, spec: ArchSpec, sequences: torch.Tensor, *, batch_size: int) -> dict:
     """One forward pass over `sequences`: the pooled second moment of every block's normalised
     input (d × d) and, per layer, o_proj's input moments per KV head."""
-    text = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+    text = text_config(model.config)
     n_heads = text.num_attention_heads
     n_kv = getattr(text, "num_key_value_heads", None) or n_heads
     d = text.hidden_size
@@ -197,7 +197,7 @@ def _value_rows(layer: nn.Module, spec: ArchSpec, q_out: int, kv_out: int) -> tu
 
 def _untie_head(model: nn.Module, head: nn.Linear) -> bool:
     """Give the LM head its own tensor (it stops equalling the embedding); True when it was tied."""
-    configs = {id(c): c for c in (model.config, getattr(model.config, "get_text_config", lambda: None)()) if c is not None}
+    configs = {id(c): c for c in (model.config, text_config(model.config))}  # the wrapper and its text config
     tied = any(getattr(c, "tie_word_embeddings", False) for c in configs.values())
     emb = model.get_input_embeddings()
     if tied or head.weight is emb.weight:
@@ -217,7 +217,7 @@ def rotate_model(model: nn.Module, spec: ArchSpec, stats: dict, *, residual: boo
     """Fold the residual rotation (unless `residual` is False) and the per-KV-head rotations into
     the weights (exact: the model computes the same function). Returns what was done, for the plan."""
     n_heads, n_kv = stats["n_heads"], stats["n_kv"]
-    text = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+    text = text_config(model.config)
     head_dim = getattr(text, "head_dim", None) or text.hidden_size // n_heads
     q_out, kv_out = n_heads * head_dim, n_kv * head_dim
     if not residual:
@@ -288,8 +288,7 @@ def prepare(model: nn.Module, spec: ArchSpec, sequences: torch.Tensor, *, batch_
 # thresholds as teal's, on the rotated inputs
 LAROSA = register(Method(
     "larosa", ("q", "k", "v", "o", "up", "gate", "down"),
-    (Step(("qkv_in",), "qkv_in", (), qkv), Step(("o",), "o", (), o_projection),
-     Step(("mlp_in",), "mlp_in", (), up_gate, "mlp"), Step(("down",), "down", (), down, "mlp")),
+    per_role_steps(qkv_in=qkv, o=o_projection, mlp_in=up_gate, down=down),
     min_fraction=0.0,
     description="LaRoSA: magnitude sparsity on PCA-rotated inputs (one residual rotation, per-KV-head rotations "
                 "of o's input, all folded into the weights: 0 extra MACs; down as teal; untied LM head stored)",

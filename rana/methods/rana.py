@@ -191,8 +191,9 @@ def rana_method(name: str, candidates: Candidates, description: str, style: dict
 
 # Why the default is input sparsity scored by |x_j| with the LM head adapted too, and not rank
 # adapters, contribution scores, rotations or a low-rank path for the dropped inputs: the SmolLM2
-# sweep (README "Results", benchmarks/results/sweep_smollm2/). The ablations below each change one
-# of these choices; the paper's method and WINA keep a dense head, as published.
+# sweep (benchmarks/results/README.md "Methods at equal measured FLOPs" and "Ablations of the default",
+# benchmarks/results/sweep_smollm2/). The ablations below each change one of these choices; the
+# paper's method and WINA keep a dense head, as published.
 register(rana_method(
     "rana", Candidates(rank=False, sparse=True, score="magnitude"),
     "rana (default): input sparsity |x_j| ≥ t (a B-masked rank adapter with B = I) on every projection "

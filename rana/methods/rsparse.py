@@ -15,7 +15,8 @@ import torch
 
 from ..math.search import side_path_choice
 from ..math.sparse_lowrank import Svd
-from .base import InputStats, LayerContext, MemoryNeed, Method, Step, fit_eval_rows, install_choice, register, summary
+from .base import (InputStats, LayerContext, MemoryNeed, Method, fit_eval_rows, install_choice, per_role_steps, register,
+                   summary)
 
 
 def _adapt(ctx: LayerContext, path: str, x_fit: torch.Tensor, x_eval: torch.Tensor) -> dict:
@@ -42,8 +43,7 @@ _down = _step("down", lambda spec: {"down": spec.role_path("down")})
 
 register(Method(
     "rsparse", ("q", "k", "v", "o", "up", "gate", "down"),
-    (Step(("qkv_in",), "qkv_in", (), _qkv), Step(("o",), "o", (), _o),
-     Step(("mlp_in",), "mlp_in", (), _up_gate, "mlp"), Step(("down",), "down", (), _down, "mlp")),
+    per_role_steps(qkv_in=_qkv, o=_o, mlp_in=_up_gate, down=_down),
     min_fraction=0.0,
     description="R-Sparse: magnitude sparsity of every projection's input plus a rank-r SVD path for "
                 "the dropped inputs; rank and threshold searched per projection on held-aside tokens",

@@ -6,7 +6,8 @@ import torch
 
 from ..math.masks import subsample_rows, threshold_for_keep_fraction
 from . import moe
-from .base import InputStats, LayerContext, MemoryNeed, Method, Step, install_choice, register, sparse_choice, summary
+from .base import (InputStats, LayerContext, MemoryNeed, Method, install_choice, per_role_steps, register, sparse_choice,
+                   summary)
 
 
 def _sparsify(ctx: LayerContext, stats: dict[str, InputStats], role: str, paths: dict[str, str]) -> dict:
@@ -40,8 +41,7 @@ def down(ctx: LayerContext, stats: dict[str, InputStats]) -> dict:
 
 register(Method(
     "teal", ("q", "k", "v", "o", "up", "gate", "down"),
-    (Step(("qkv_in",), "qkv_in", (), qkv), Step(("o",), "o", (), o_projection),
-     Step(("mlp_in",), "mlp_in", (), up_gate, "mlp"), Step(("down",), "down", (), down, "mlp")),
+    per_role_steps(qkv_in=qkv, o=o_projection, mlp_in=up_gate, down=down),
     min_fraction=0.0, description="TEAL: magnitude sparsity of every projection's input",
     memory=MemoryNeed(decomposes=False, wide_sample_rows=True), style=dict(color="tab:purple", marker="D"),
     moe_steps=(moe.STEP,)))

@@ -72,11 +72,6 @@ def _input_major_stacks(module: nn.Module) -> None:
             p.data = p.data.transpose(1, 2).contiguous().transpose(1, 2)
 
 
-def plain_linear(layer: nn.Module) -> bool:
-    """True when `layer` is an unwrapped nn.Linear (not a peft LoRA wrapper)."""
-    return type(layer) is nn.Linear
-
-
 class MaskedDecode:
     """The decode gate every masked adapter shares, written once.
 

@@ -32,13 +32,13 @@ import math
 import os
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING, Callable
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn as nn
 
 from ..accounting import metering
-from ..archs import decoder_layers, get_arch, set_submodule, stubbed_decoder_layers
+from ..archs import decoder_layers, get_arch, set_submodule, stubbed_decoder_layers, text_config
 from ..checks import check_writable_dir
 from ..data import DataError, calibration_batches, load_texts, tokenize_stream
 from ..io.folder import check_folder, is_rana_dir, load, read_meta, read_plan, save
@@ -50,6 +50,7 @@ from ..modules.int8 import holds_int8
 from ..modules.experts import InputSparseExperts
 from ..modules.rebuild import declared_int8_form, int8_form, int8_paths
 from ..modules.registry import declared
+from ..units import Progress
 from ..errors import UserError
 
 if TYPE_CHECKING:  # config.py builds on this module
@@ -99,10 +100,7 @@ def untie_head(model: nn.Module, spec) -> bool:
     head = model.get_submodule(spec.lm_head)
     emb = model.get_input_embeddings()
     tied = getattr(head, "weight", None) is getattr(emb, "weight", None)
-    configs = {id(model.config): model.config}
-    if hasattr(model.config, "get_text_config"):
-        text = model.config.get_text_config()
-        configs[id(text)] = text
+    configs = {id(c): c for c in (model.config, text_config(model.config))}  # the wrapper and its text config
     for cfg in configs.values():
         if getattr(cfg, "tie_word_embeddings", False):
             cfg.tie_word_embeddings = False
@@ -300,7 +298,7 @@ def _refresh_norms(root: nn.Module) -> None:
 
 @torch.no_grad()
 def quantize_model(model: nn.Module, calibration=None, *, batch_size: int = 8, clip_ratios=CLIP_RATIOS,
-                   progress: Callable[[str, int, int], None] | None = None) -> dict:
+                   progress: Progress | None = None) -> dict:
     """Quantize `model` (a rana model, or a dense one) to int8 weights in place; returns the report that
     plan.json keeps as `quantization`. `calibration`: token ids (sequences × length) or an object with
     `.fit` (rana.data.CalibrationData); None: max-abs scales, thresholds kept. See the module docstring."""
@@ -380,7 +378,7 @@ def calibration_ids(tokenizer, dataset: str | None, calib_tokens: int, seq_len: 
 
 
 def quantize_folder(config: QuantizeConfig,
-                    progress: Callable[[str, int, int], None] | None = None) -> tuple[Path, dict]:
+                    progress: Progress | None = None) -> tuple[Path, dict]:
     """`rana quantize SRC --weights int8 --out OUT`: the rana folder `config.src` with int8 weights, written
     atomically to `config.out`; returns (out, the quantization report). `calib_tokens` 0: no calibration.
     Everything is checked before the folder is loaded (--weights, the folders, the calibration sizes)."""

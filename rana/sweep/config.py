@@ -9,7 +9,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from ..compress import CompressConfig
-from ..compress.head import check_lm_head, resolve_lm_head
+from ..compress.lm_head import check_lm_head, resolve_lm_head
 from ..errors import UserError
 from ..evaluation import EvalConfig
 from ..evaluation.perplexity import PplProtocol, ppl_preset

@@ -20,12 +20,13 @@ import torch
 from ..checks import check_inputs
 from ..compress import BudgetError, calibration_data, compress_model
 from ..data import check_source
-from ..evaluation import Progress, evaluate_model, ppl_protocol, rank_adapters, rank_contributions, text_labels
+from ..evaluation import evaluate_model, ppl_protocol, rank_adapters, rank_contributions, text_labels
 from ..evaluation.perplexity import protocol_tokens
 from ..io import save
 from ..io.format import write_json
 from ..io.models import load_model, model_inputs, resolve
 from ..io.paths import SWEEP_KIND, check_output, claim_folder, local_inputs
+from ..units import Progress
 from .config import SweepConfig
 from .report import DENSE, describe_point, layer_summary, point_name, write_outputs
 

@@ -36,8 +36,9 @@ from .placement import as_module_input
 LM_HEAD_CHOICES = ("auto", "dense", "sparse")
 
 # Below this share of their dense MACs the adapted projections degrade steeply. Measured with the
-# default method on SmolLM2-135M (README sweep): at 0.80 of their MACs perplexity is ×1.00 of
-# dense, at 0.60 ×1.2, at 0.43 ×2.1-2.7; the 270M model of issue 15 at ~0.25: ×46.
+# default method on SmolLM2-135M (the sweep, benchmarks/results/README.md): at 0.80 of their MACs
+# perplexity is ×1.00 of dense, at 0.60 ×1.2, at 0.43 ×2.1-2.7; the 270M model of issue 15 at
+# ~0.25: ×46.
 HARSH_FRACTION = 0.5
 # A dense head worth adapting: above this share of the model's MACs, suggest `--lm-head sparse`
 # (SmolLM2-135M: 0.20; Qwen2.5-0.5B: 0.27; Llama-2-7B: 0.02).
