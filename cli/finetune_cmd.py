@@ -13,6 +13,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.table import Table
 
 from rana.finetune import FinetuneConfig
+from rana.units import Progress as ProgressCallback  # rich's Progress is the bar
 
 from .common import console, fail
 from .common import out as stdout
@@ -77,7 +78,7 @@ def _progress_bar(main: bool) -> Progress:
                     transient=False, disable=not main)
 
 
-def _reporters(bar: Progress) -> tuple[Callable[[str, int, int], None], Callable[[dict], None]]:
+def _reporters(bar: Progress) -> tuple[ProgressCallback, Callable[[dict], None]]:
     """`progress(what, done, total)` and `on_log(record)` for `finetune`: one bar per stage, showing the
     latest train_log record; warnings and sweep results printed as they come."""
     tasks: dict[str, int] = {}

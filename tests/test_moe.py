@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 
 from rana.accounting import layer_dims
-from rana.archs import UnsupportedArchitectureError, decoder_layers, get_arch
+from rana.archs import UnsupportedArchitectureError, decoder_layers, get_arch, supported_model_types
 from rana.compress import compress_model
 from rana.io import save
 from rana.kernels.masked_gemv import expert_masked_gemv_gather, expert_masked_gemv_reference
@@ -29,7 +29,7 @@ from helpers import tiny_calibration, tiny_compress_config, tiny_model
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
-MOE = ["qwen3_moe", "mixtral", "olmoe"]
+MOE = [t for t in supported_model_types() if get_arch(t).moe]  # every registered mixture of experts
 CAPABLE = {"rana", "teal", "rana-dense-head", "rana-heads"}  # magnitude input sparsity per expert
 IDS = torch.randint(0, 128, (2, 24), generator=torch.Generator().manual_seed(3))
 
