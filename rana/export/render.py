@@ -149,9 +149,13 @@ def rewrite_imports(module_name: str, source: str, targets: dict[str, str]) -> s
     return source
 
 
-# absolute module name in the rana package → basename of its copy in the export, as rana's own kinds need it
-# (`render_sources` derives it again: a kind registered later ships too)
-SHIPPED_MODULES: dict[str, str] = shipped_modules()
+def __getattr__(name: str):
+    # SHIPPED_MODULES ({rana module: basename of its copy in an export}) is derived when asked for, not when
+    # rana.export is imported (every `rana` command imports it): walking the import graph reads a dozen sources,
+    # and a kind registered later ships too
+    if name == "SHIPPED_MODULES":
+        return shipped_modules()
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def _render_archspec(spec, shipped: dict[str, str]) -> str:

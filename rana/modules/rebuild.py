@@ -28,7 +28,7 @@ from ..archs import set_submodule
 from .groups import link_decode_groups
 from .int8 import Int8Linear, holds_int8
 from .laurel import LaurelConfig, apply_laurel
-from .registry import ADAPTER_KINDS, adapter_class, build_adapter, build_order
+from .registry import ADAPTER_KINDS, adapter_class, build_adapter, build_order, declared
 
 # masks compare against these, and int8 weights are scaled by weight_scale: never rounded to bf16 / fp16
 FP32_BUFFERS = ("threshold", "column_norms", "weight_scale")
@@ -55,19 +55,13 @@ def int8_paths(model: nn.Module) -> list[str]:
 def int8_form(module: nn.Module, q: torch.Tensor | None = None, scale: torch.Tensor | None = None) -> nn.Module:
     """The int8 replacement of a linear layer or of an adapter whose kind has an int8 form of its own (the
     input-sparse LM head): from codes q (out × in, int8) and scales (out,), or empty (weights loaded afterwards)."""
-    if declared_int8_form(module):
+    if declared(module, "int8_form") is not None:
         return module.int8_form(q, scale)
     if type(module) is nn.Linear:
         if q is None:
             return Int8Linear.empty_like(module)
         return Int8Linear.from_quantized(q, scale, module.bias, module.weight.dtype).to(module.weight.device)
     raise ValueError(f"a {type(module).__name__} has no int8 form (only linear layers and the input-sparse LM head)")
-
-
-def declared_int8_form(module: nn.Module) -> bool:
-    """True when `module` is an adapter whose kind is itself quantized (`int8_form`, rana.modules.registry)."""
-    cls = adapter_class(module)
-    return cls is not None and cls.int8_form is not None
 
 
 def install_int8(model: nn.Module, paths: list[str]) -> None:

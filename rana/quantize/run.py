@@ -48,7 +48,7 @@ from ..math.masks import subsample_rows, threshold_for_keep_fraction
 from ..math.quantize import CLIP_RATIOS, quantize_int8, relative_output_error
 from ..modules.int8 import holds_int8
 from ..modules.experts import InputSparseExperts
-from ..modules.rebuild import declared_int8_form, int8_form, int8_paths
+from ..modules.rebuild import int8_form, int8_paths
 from ..modules.registry import declared
 from ..units import Progress
 from ..errors import UserError
@@ -90,7 +90,8 @@ def quantize_targets(model: nn.Module, spec) -> list[str]:
     prefix = spec.layers + "."
     paths = [n for n, m in model.named_modules() if type(m) is nn.Linear and n.startswith(prefix)]
     head = model.get_submodule(spec.lm_head)
-    if type(head) is nn.Linear or (declared_int8_form(head) and not holds_int8(head)):  # an adapted head: its int8 form
+    # a dense head, or an adapted one whose kind has an int8 form of its own
+    if type(head) is nn.Linear or (declared(head, "int8_form") is not None and not holds_int8(head)):
         paths.append(spec.lm_head)
     return paths
 
