@@ -69,6 +69,7 @@ class Probe:
         self.acc: dict[tuple[str, str], int] = collections.defaultdict(int)
         self.region = "rest"
         self.undo: list = []
+        self.model = None
 
     def _timed(self, fn, category):
         acc, clock = self.acc, time.perf_counter_ns
@@ -110,13 +111,15 @@ class Probe:
         from rana.modules.int8 import Int8Linear
 
         fn, status = cpu_gemv._load()
-        fn_i8 = cpu_gemv.native_kernel_int8()
+        int8_entries = {which: cpu_gemv._int8_entry(which) for which in (1, 2)}  # per call, operands bound once
         if fn is not None:
             wrapped = self._timed(fn, "kernel")
             self._patch(cpu_gemv, "_load", lambda: (wrapped, status))
-        if fn_i8 is not None:
-            wrapped_i8 = self._timed(fn_i8, "kernel")
-            self._patch(cpu_gemv, "native_kernel_int8", lambda: wrapped_i8)
+        if None not in int8_entries.values():
+            timed = {which: self._timed(entry, "kernel") for which, entry in int8_entries.items()}
+            self._patch(cpu_gemv, "_int8_entry", timed.get)
+        unbind(model)  # calls bound before were bound to the kernels themselves
+        self.model = model
         self._patch(F, "linear", self._timed(F.linear, "blas"))
         head = model.get_output_embeddings()
         classes = {type(m) for m in model.modules() if isinstance(m, (MacMeter, RankSliceLinear, Int8Linear))}
@@ -137,6 +140,9 @@ class Probe:
             else:
                 setattr(owner, name, old)
         self.undo.clear()
+        if getattr(self, "model", None) is not None:
+            unbind(self.model)  # calls bound while patched would keep the patched kernels
+            self.model = None
 
     def breakdown(self, step_ns: int, tokens: int) -> dict[str, float]:
         a = self.acc
@@ -156,6 +162,14 @@ class Probe:
 
 
 _MISSING, _INSTANCE = object(), object()
+
+
+def unbind(model) -> None:
+    """Drop every module's bound native int8 call (rana.kernels.cpu_gemv.NativeInt8Call): the next token binds
+    to whatever kernel entry points are current (patched or restored)."""
+    from rana.modules.int8 import drop_bound_call
+    for m in model.modules():
+        drop_bound_call(m)
 
 
 # ------------------------------------------------------------------------------------ floors
@@ -192,9 +206,15 @@ class Floor:
             def int8(w, qscale, x, K, N, ldw, t, mode, scale, bias, y, idx, threads):
                 memset(y, 0, N * 4)
                 return 0
+
+            def int8_bound(operands, x, t, y, threads):
+                memset(y, 0, cpu_gemv._Int8Operands.from_address(operands).N * 4)
+                return 0
             if fn is not None:
                 self._patch(cpu_gemv, "_load", lambda: (fp32, status))
-                self._patch(cpu_gemv, "native_kernel_int8", lambda: int8)
+                self._patch(cpu_gemv, "_int8_entry", {1: int8, 2: int8_bound}.get)
+                unbind(model)
+                self.model = model
             return
         head = model.get_output_embeddings()
         for m in model.modules():
@@ -207,6 +227,7 @@ class Floor:
         self.undo.append((owner, name, owner.__dict__.get(name, _MISSING)))
         setattr(owner, name, value)
 
+    model = None
     remove = Probe.remove
 
 

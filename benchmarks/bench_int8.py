@@ -57,6 +57,8 @@ TARGET_PPL = 0.01  # int8 sparse perplexity within 1 % of fp32 sparse at the sam
 TARGET_F = 0.58
 TARGET_VS_FP32 = 0.35  # int8 sparse decode time at F = 0.58, as a fraction of dense fp32 ...
 TARGET_VS_INT8 = 0.60  # ... and of dense int8 (torch's)
+# the decode step with no weight read (weightless): timed beside the rows, never a model anyone would run
+FLOOR = f"floor: int8 F={TARGET_F} with every linear returning zeros"
 DENSE_FP32, TORCH_INT8, RANA_INT8_DENSE, LLAMA = ("dense fp32", "dense int8 (torch dynamic)", "dense int8 (rana)",
                                                    "llama.cpp Q8_0")
 LLAMA_HOW = "pip install llama-cpp-python (builds llama.cpp from source; benchmark only, not a rana dependency)"
@@ -278,6 +280,27 @@ def check_targets(result: dict) -> list[dict]:
     return out
 
 
+def target_headroom(result: dict) -> list[dict]:
+    """Per thread count, what the "≤ 0.6 of dense int8" target leaves for reading the kept int8 rows: the budget
+    (0.6 × dense int8 time − the floor's time, FLOOR) and the read rate it would take (the int8 folder's
+    measured MACs per token, one int8 weight byte each, over that budget), beside rana int8's own time above
+    the floor and the rate that is."""
+    name = sparse_name(TARGET_F, "int8")
+    macs = next((r.get("measured_macs") for r in result["perplexity"] if r["variant"] == name), None)
+    out = []
+    for lat in result["latency"]:
+        rows = lat["rows"]
+        floor, torch_int8, rana = (rows.get(n, {}).get("ms_per_token") for n in (FLOOR, TORCH_INT8, name))
+        if None in (floor, torch_int8, rana, macs):
+            continue
+        budget = TARGET_VS_INT8 * torch_int8 - floor
+        out.append({"threads": lat["threads"], "floor_ms": floor, "floor_vs_dense_int8": floor / torch_int8,
+                    "budget_ms": budget, "kept_mb_per_token": macs / 1e6,
+                    "needed_gb_s": macs / budget / 1e6 if budget > 0 else float("inf"),
+                    "rana_above_floor_ms": rana - floor, "rana_gb_s": macs / (rana - floor) / 1e6})
+    return out
+
+
 # ----------------------------------------------------------------------------------------------- report
 def _f(x, fmt: str) -> str:
     return "—" if x is None or (isinstance(x, float) and math.isnan(x)) else format(x, fmt)
@@ -332,6 +355,15 @@ def render_markdown(result: dict) -> str:
         fmt = "+.2%" if "ppl" in t["target"] else ".3f"
         lim = f"{t['limit']:.0%}" if "ppl" in t["target"] else f"{t['limit']:.2f}"
         lines.append(f"| {t['target']} | {_f(t['measured'], fmt)} | {lim} | {verdict} |")
+    if result.get("headroom"):
+        lines += ["", f"## What the ≤ {TARGET_VS_INT8} of dense int8 target leaves for the kernels (F={TARGET_F})", "",
+                  "| threads | floor ms/tok | floor × dense int8 | budget ms (0.6 × dense int8 − floor) | "
+                  "kept int8 MB/token | read rate the budget needs | rana int8 ms above floor | its read rate |",
+                  "|---|---|---|---|---|---|---|---|"]
+        for h in result["headroom"]:
+            lines.append(f"| {h['threads']} | {h['floor_ms']:.2f} | {h['floor_vs_dense_int8']:.3f} | "
+                         f"{h['budget_ms']:.2f} | {h['kept_mb_per_token']:.1f} | {_f(h['needed_gb_s'], '.1f')} GB/s | "
+                         f"{h['rana_above_floor_ms']:.2f} | {h['rana_gb_s']:.1f} GB/s |")
     lines += ["", "## Notes", ""] + [f"- {n}" for n in result.get("notes", [])]
     if result.get("skipped"):
         lines += [f"- skipped: {s}" for s in result["skipped"]]
@@ -532,6 +564,7 @@ def sparse_variant(f: float, weights: str, folder: Path, ppl):
     model.eval()
     say(f"perplexity: {name}")
     row = {"variant": name, "flops": f, "measured_flops": plan.get("measured_flops"),
+           "measured_macs": (plan.get("measured") or {}).get("measured_macs"),  # per token, held-out tokens
            **ppl(model, name, plan.get("measured_flops"))}
     refit = (plan.get("quantization") or {}).get("refit") or {}
     shifts = [abs(r["fraction_after"] - r["fraction_before"]) for r in refit.values()
@@ -542,7 +575,8 @@ def sparse_variant(f: float, weights: str, folder: Path, ppl):
 
 
 def sparse_variants(a, work: Path, ppl, log: list[str], perp: list[dict], sizes: list[dict], models: dict) -> dict:
-    """fp32 and int8 sparse at every F: their rows appended, their models added; returns the compress costs."""
+    """fp32 and int8 sparse at every F: their rows appended, their models added (and, at the target F, the
+    step's floor: FLOOR); returns the compress costs."""
     costs = {}
     for f in a.flops_list:
         fp32_dir, int8_dir, costs[f] = make_folders(a, f, work, log)
@@ -551,7 +585,23 @@ def sparse_variants(a, work: Path, ppl, log: list[str], perp: list[dict], sizes:
             perp.append(row)
             sizes.append({"variant": row["variant"], "bytes": folder_bytes(folder), "path": str(folder)})
             models[row["variant"]] = model
+        if round(f, 2) == TARGET_F and not a.no_latency:
+            models[FLOOR] = weightless(int8_dir)
     return costs
+
+
+def weightless(folder: Path):
+    """The model of `folder` with every adapter, Int8Linear and the LM head returning zeros of their output shape
+    (bench_decode_profile.Floor): a decode step that reads no weight of any linear layer. Its time is what
+    transformers' step and `generate` cost on their own, the floor under every row of the table."""
+    from bench_decode_profile import Floor
+
+    from rana.io import load
+
+    model, _ = load(folder)
+    model.eval()
+    Floor("zeros").install(model)
+    return model
 
 
 def llama_variant(a, work: Path, log: list[str], meta: dict, sizes: list[dict], skipped: list[str]) -> Path | None:
@@ -616,6 +666,11 @@ def method_notes(a) -> list[str]:
         "dense int8 (torch dynamic) quantizes activations per tensor on every call, which outlier channels hurt: its "
         "perplexity is shown for transparency; the int8 quality reference is dense int8 (rana)",
         "file size = the folder's safetensors bytes (dense fp32: its parameters' bytes; GGUF rows: the file)",
+        f"{FLOOR} = the int8 F={TARGET_F} model with every adapter, Int8Linear and the LM head returning zeros of their "
+        "output shape (bench_decode_profile.Floor): no linear layer reads a weight; its time is transformers' step and "
+        "`generate` alone, a floor under every row (its tokens mean nothing)",
+        "read rates in the last table = the int8 folder's measured MACs per token on held-out tokens (plan.json; one "
+        "int8 weight byte per MAC) over the time: what the kernels would have to stream per second",
     ]
 
 
@@ -653,6 +708,7 @@ def main(argv=None) -> None:
     result = {"meta": meta, "perplexity": perp, "sizes": sizes, "latency": latency, "compress_costs":
               {str(k): v for k, v in costs.items()}, "notes": notes, "skipped": skipped}
     result["targets"] = check_targets(result)
+    result["headroom"] = target_headroom(result)
     write_outputs(stem, result)
 
 

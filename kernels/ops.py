@@ -59,7 +59,8 @@ from typing import Optional, Sequence
 
 import torch
 
-from .cpu_gemv import MODE_IDS, expert_masked_gemv_native, masked_linear_native, masked_linear_native_int8
+from .cpu_gemv import (MODE_IDS, NativeInt8Call, expert_masked_gemv_native, masked_linear_native,
+                       masked_linear_native_int8)
 from .masked_gemv import (expert_masked_gemv_dense, expert_masked_gemv_gather, masked_gemv_dense,
                           masked_gemv_int8_dense, masked_gemv_int8_torch, masked_gemv_torch)
 from .triton_gemv import (expert_masked_gemv_triton, grouped_dense_gemv_triton, grouped_masked_gemv_int8_triton,
@@ -379,6 +380,29 @@ def decode_masked_int8(q_t: torch.Tensor, qscale: torch.Tensor, v: torch.Tensor,
         return grouped_masked_gemv_int8_triton([v], [q_t], [qscale], [threshold], mode, [scale], [bias],
                                                sparsity_bin).view(*v.shape[:-1], N)
     return masked_gemv_int8_impl(q_t, qscale, v, threshold, mode, scale, bias)
+
+
+BOUND_CALL = "_native_int8_call"  # where decode_masked_int8_held keeps a module's bound native call
+
+
+def decode_masked_int8_held(owner, q_t: torch.Tensor, qscale: torch.Tensor, v: torch.Tensor,
+                            threshold: Optional[torch.Tensor], mode: str, scale: Optional[torch.Tensor] = None,
+                            bias: Optional[torch.Tensor] = None,
+                            sparsity_bin: int = DEFAULT_SPARSITY_BIN) -> torch.Tensor:
+    """:func:`decode_masked_int8` for int8 weights that a module holds (`owner`: an Int8Linear, the int8 LM
+    head). Eagerly on CPU the native call's operands are bound once and kept on the module
+    (cpu_gemv.NativeInt8Call, under `BOUND_CALL`; the owner drops it in `_apply`), so a token pays for its own
+    checks only. ``threshold`` None: mode "none". Callers check the bias's gradients."""
+    if v.is_cpu and not _INTERPRET and not torch.compiler.is_compiling():
+        call = owner.__dict__.get(BOUND_CALL)
+        if call is None or not call.binds(q_t, qscale, mode, scale, bias):
+            call = owner.__dict__[BOUND_CALL] = NativeInt8Call.bind(q_t, qscale, mode, scale, bias)
+        y = call(v, 0.0 if threshold is None else float(threshold))
+        if y is not None:
+            return y
+    if threshold is None:  # the other paths take a threshold tensor all the same
+        threshold = torch.full((), float("-inf"), dtype=torch.float32, device=v.device)
+    return decode_masked_int8(q_t, qscale, v, threshold, mode, scale, bias, sparsity_bin)
 
 
 def decode_masked_int8_grouped(vs, q_ts, qscales, thresholds, mode: str, scales, biases,

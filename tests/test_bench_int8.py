@@ -50,6 +50,7 @@ def _fake(bench):
         bench.TORCH_INT8: {"ms_per_token": 30.0, "decode_tokens_per_s": 33.3},
         bench.sparse_name(0.58, "int8"): {"ms_per_token": 15.0, "decode_tokens_per_s": 66.7},
         bench.LLAMA: {"ms_per_token": 5.0, "decode_tokens_per_s": 200.0},
+        bench.FLOOR: {"ms_per_token": 8.0, "decode_tokens_per_s": 125.0},
     }
     for r in rows.values():
         r["vs_dense_fp32"] = r["ms_per_token"] / 50.0
@@ -59,7 +60,7 @@ def _fake(bench):
     result = {
         "meta": {"model": "fake", "flops": [0.58], "smoke": False, "commands": ["rana compress x --flops 0.58"]},
         "perplexity": [ppl(bench.DENSE_FP32, 1.0, 11.0, 40.0), ppl(bench.sparse_name(0.58, "fp32"), 0.58, 20.0, 60.0),
-                       ppl(bench.sparse_name(0.58, "int8"), 0.58, 20.1, 61.2)],
+                       {**ppl(bench.sparse_name(0.58, "int8"), 0.58, 20.1, 61.2), "measured_macs": 70e6}],
         "sizes": [{"variant": bench.DENSE_FP32, "bytes": 540_000_000},
                   {"variant": bench.sparse_name(0.58, "int8"), "bytes": 200_000_000},
                   {"variant": bench.LLAMA, "bytes": 145_000_000}],
@@ -68,7 +69,18 @@ def _fake(bench):
         "notes": ["a note"], "skipped": ["nothing"],
     }
     result["targets"] = bench.check_targets(result)
+    result["headroom"] = bench.target_headroom(result)
     return result
+
+
+def test_headroom_is_the_budget_the_target_leaves(bench):
+    """0.6 × 30 ms − the 8 ms floor = 10 ms for 70 MB of kept int8 rows: 7 GB/s; rana's 15 − 8 = 7 ms: 10 GB/s."""
+    (h,) = _fake(bench)["headroom"]
+    assert h["budget_ms"] == pytest.approx(10.0) and h["needed_gb_s"] == pytest.approx(7.0)
+    assert h["rana_above_floor_ms"] == pytest.approx(7.0) and h["rana_gb_s"] == pytest.approx(10.0)
+    assert h["floor_vs_dense_int8"] == pytest.approx(8 / 30)
+    md = bench.render_markdown(_fake(bench))
+    assert "| 1 | 8.00 | 0.267 | 10.00 | 70.0 | 7.0 GB/s | 7.00 | 10.0 GB/s |" in md
 
 
 def test_targets_judged_as_issue_states(bench):

@@ -126,6 +126,80 @@ def test_native_int8_strided_rows(native):
     _assert_close(y, _expected(q_t, qs[10:70], v, t, "square", None, b[10:70]), torch.float32)
 
 
+@pytest.mark.parametrize("mode,frac", [("none", 1.0)] + [(m, f) for m in MODES[1:] for f in (0.0, 0.3, 1.0)])
+@pytest.mark.parametrize("nthreads", [1, 2])
+def test_bound_int8_call_matches_float64(native, mode, frac, nthreads):
+    """The operands bound once (NativeInt8Call) give the per-call entry point's bits, against float64 too;
+    growing K after a smaller call grows the per-thread index scratch."""
+    torch.set_num_threads(nthreads)
+    for K, N, lead in [(7, 3, ()), (203, 130, (1,)), (576, 320, (1, 1)), (1500, 70, (1,))]:
+        q_t, qs, v, t, scale, b = _problem(K, N, torch.float32, mode, frac, seed=K + N + 1, lead=lead)
+        for bias in (b, None):
+            call = cg.NativeInt8Call.bind(q_t, qs, mode, scale, bias)
+            y = call(v, t)
+            _assert_close(y, _expected(q_t, qs, v, t, mode, scale, bias), torch.float32)
+            per_call = cg.masked_linear_native_int8(q_t, qs, v, t, cg.MODE_IDS[mode], scale, bias)
+            assert torch.equal(y, per_call)
+            assert call.binds(q_t, qs, mode, scale, bias)
+
+
+def test_bound_int8_call_declines_and_rebinds(native):
+    import copy
+    import pickle
+    q_t, qs, v, t, scale, b = _problem(40, 24, torch.float32, "abs", 0.5)
+    call = cg.NativeInt8Call.bind(q_t, qs, "abs", None, b)
+    assert call(v.to(torch.bfloat16), t) is None  # other dtypes: the per-call path converts them
+    assert call(torch.randn(2, 40), t) is None  # two tokens
+    assert call(v.clone().requires_grad_(), t) is None  # autograd
+    with torch.no_grad():
+        assert call(v.clone().requires_grad_(), t) is not None
+    # operands the kernel cannot take: bound all the same (not re-examined per token), calling gives None
+    assert cg.NativeInt8Call.bind(q_t, qs, "abs", None, b.bfloat16())(v, t) is None
+    assert cg.NativeInt8Call.bind(q_t, qs, "abs_scaled", None, b)(v, t) is None  # no scale
+    assert cg.NativeInt8Call.bind(q_t.t().contiguous().t(), qs, "abs", None, b)(v, t) is None
+    # identity, not equality: a replaced tensor (a reload, a .to()) is another binding
+    assert not call.binds(q_t.clone(), qs, "abs", None, b)
+    assert not call.binds(q_t, qs, "square", None, b)
+    # an in-place change of the weights is seen (the address is the same)
+    before = call(v, t)
+    q_t.neg_()
+    torch.testing.assert_close(call(v, t), (-before + 2 * b).reshape(before.shape), atol=1e-4, rtol=0)
+    # a copy never carries the addresses of the original's tensors
+    assert copy.deepcopy(call) is None and pickle.loads(pickle.dumps(call)) is None
+
+
+def test_int8_modules_bind_their_own_tensors(native):
+    """Int8Linear keeps its bound call until its tensors change: a `.to()` drops it, a replaced buffer or a
+    deepcopy rebinds; an in-place load_state_dict is seen without rebinding."""
+    import copy
+    from rana.kernels.ops import BOUND_CALL
+    from rana.modules.int8 import Int8Linear
+    torch.manual_seed(0)
+    lin = torch.nn.Linear(48, 40)
+    q = torch.randint(-127, 128, (40, 48), dtype=torch.int8)
+    m = Int8Linear.from_quantized(q, torch.rand(40) * 0.01, lin.bias, torch.float32).eval()
+    x = torch.randn(1, 1, 48)
+    with torch.no_grad():
+        y = m(x)
+        call = m.__dict__[BOUND_CALL]
+        torch.testing.assert_close(y, torch.nn.functional.linear(x, m.weight, m.bias), atol=1e-5, rtol=1e-5)
+        m(x)
+        assert m.__dict__[BOUND_CALL] is call  # bound once
+        twin = copy.deepcopy(m)
+        assert twin.__dict__.get(BOUND_CALL) is None
+        torch.testing.assert_close(twin(x), y, atol=0, rtol=0)
+        assert twin.__dict__[BOUND_CALL] is not call
+        state = {k: v.clone() for k, v in m.state_dict().items()}
+        state["qweight"].neg_()
+        m.load_state_dict(state)
+        torch.testing.assert_close(m(x), torch.nn.functional.linear(x, m.weight, m.bias), atol=1e-5, rtol=1e-5)
+        m.qweight = m.qweight.clone()
+        m(x)
+        assert m.__dict__[BOUND_CALL] is not call
+        m.to(torch.float64)
+        assert BOUND_CALL not in m.__dict__
+
+
 def test_native_int8_declines_what_it_cannot_do(native):
     q_t, qs, v, t, _, b = _problem(40, 24, torch.float32, "abs", 0.5)
     abs_id = cg.MODE_IDS["abs"]

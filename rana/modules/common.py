@@ -126,9 +126,7 @@ def decode_linear(layer: nn.Module, x: torch.Tensor, threshold: torch.Tensor, mo
             bias = layer._parameters["bias"]
             if torch.is_grad_enabled() and (x.requires_grad or (bias is not None and bias.requires_grad)):
                 return None
-            buffers = layer._buffers
-            return decode_int8(buffers["qweight"], buffers["weight_scale"], x, threshold, mode, scale, bias,
-                               sparsity_bin)
+            return decode_int8(layer, x, threshold, mode, scale, sparsity_bin)
         return None
     params = layer._parameters
     weight = params["weight"]

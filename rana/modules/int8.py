@@ -22,18 +22,24 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from ..kernels.ops import DEFAULT_SPARSITY_BIN, decode_masked_int8, decode_masked_int8_grouped
+from ..kernels.ops import BOUND_CALL, DEFAULT_SPARSITY_BIN, decode_masked_int8_grouped, decode_masked_int8_held
 
 INT8_MODES = ("none", "square", "abs_scaled", "abs")
 
 
-def decode_int8(q_t: torch.Tensor, qscale: torch.Tensor, v: torch.Tensor, threshold: torch.Tensor | None, mode: str,
-                scale: torch.Tensor | None = None, bias: torch.Tensor | None = None,
-                sparsity_bin: int = DEFAULT_SPARSITY_BIN) -> torch.Tensor:
-    """One decode token through int8 weights: the kernels' `decode_masked_int8` (native on CPU, Triton on CUDA)."""
-    if threshold is None:  # mode "none": the kernels take a threshold tensor all the same
-        threshold = torch.full((), float("-inf"), dtype=torch.float32, device=v.device)
-    return decode_masked_int8(q_t, qscale, v, threshold, mode, scale, bias, sparsity_bin)
+def decode_int8(owner: nn.Module, v: torch.Tensor, threshold: torch.Tensor | None, mode: str,
+                scale: torch.Tensor | None = None, sparsity_bin: int = DEFAULT_SPARSITY_BIN) -> torch.Tensor:
+    """One decode token through the int8 weights `owner` holds (its `qweight`, `weight_scale` and `bias`): the
+    kernels' `decode_masked_int8_held` (native on CPU, its operands bound once per module; Triton on CUDA).
+    ``threshold`` None: mode "none" (the dense int8 GEMV)."""
+    buffers = owner._buffers
+    return decode_masked_int8_held(owner, buffers["qweight"], buffers["weight_scale"], v, threshold, mode, scale,
+                                   owner._parameters["bias"], sparsity_bin)
+
+
+def drop_bound_call(module: nn.Module) -> None:
+    """Forget `module`'s bound native call (its tensors moved or changed type): the next token binds anew."""
+    module.__dict__.pop(BOUND_CALL, None)
 
 
 def decode_int8_grouped(vs, q_ts, qscales, thresholds, mode: str, scales, biases,
@@ -88,6 +94,7 @@ class Int8Linear(nn.Module):
         return (self.qweight.t().float() * self.weight_scale[:, None]).to(dtype)
 
     def _apply(self, fn, recurse=True):
+        drop_bound_call(self)
         kept = {n: b for n in self._float32_buffers if (b := self._buffers.get(n)) is not None}
         super()._apply(fn, recurse)
         for name, value in kept.items():
@@ -101,7 +108,7 @@ class Int8Linear(nn.Module):
         bias = self._parameters["bias"]
         if x.numel() == x.shape[-1] and not (torch.is_grad_enabled() and (
                 x.requires_grad or (bias is not None and bias.requires_grad))):
-            return decode_int8(self._buffers["qweight"], self._buffers["weight_scale"], x, None, "none", None, bias)
+            return decode_int8(self, x, None, "none")
         return F.linear(x, self.dequantized(x.dtype), None if bias is None else bias.to(x.dtype))
 
     def extra_repr(self) -> str:
@@ -118,4 +125,4 @@ def holds_int8(module: nn.Module) -> bool:
     return getattr(type(module), "int8_weights", False) is True
 
 
-__all__ = ["Int8Linear", "INT8_MODES", "decode_int8", "decode_int8_grouped", "is_int8", "holds_int8"]
+__all__ = ["Int8Linear", "INT8_MODES", "decode_int8", "drop_bound_call", "decode_int8_grouped", "is_int8", "holds_int8"]

@@ -7,7 +7,7 @@ import torch.nn as nn
 
 from ..kernels.ops import decode_masked_linear
 from .common import MacMeter, MaskedDecode, column_major_linear, decode_weight, restore_layouts
-from .int8 import decode_int8
+from .int8 import decode_int8, drop_bound_call
 from .registry import register_adapter
 
 
@@ -390,6 +390,7 @@ class Int8InputSparseHead(InputSparseHead):
         return (self.qweight.t().float() * self.weight_scale[:, None]).to(self.compute_dtype)
 
     def _apply(self, fn, recurse=True):
+        drop_bound_call(self)
         super()._apply(fn, recurse)
         probe = fn(torch.empty(0, dtype=self.compute_dtype))
         if probe.is_floating_point():
@@ -406,8 +407,7 @@ class Int8InputSparseHead(InputSparseHead):
         bias = self._parameters["bias"]
         if x.numel() == x.shape[-1] and self.decode_open() and not (
                 torch.is_grad_enabled() and (x.requires_grad or (bias is not None and bias.requires_grad))):
-            return decode_int8(self._buffers["qweight"], self._buffers["weight_scale"], x, self._buffers["threshold"],
-                               self.decode_mode, None, bias)
+            return decode_int8(self, x, self._buffers["threshold"], self.decode_mode)
         mask = x.abs() >= self.threshold
         self._record(mask)
         w = (self.qweight.t().float() * self.weight_scale[:, None]).to(x.dtype)
