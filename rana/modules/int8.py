@@ -13,8 +13,9 @@ that reads weights: column norms, SVD, export); no full-precision copy is kept. 
 and `weight_scale` float32 through `.to(dtype)` / `.half()` (only the bias and the compute dtype follow).
 
 One decode token without gradients goes through the int8 masked-GEMV entry point of the kernels
-(`decode_masked_int8`, mode "none": the dense int8 GEMV); several tokens through F.linear with the
-weight dequantized for that call. The adapters call `decode_int8` with their masks (rana.modules.common).
+(`decode_int8` → `decode_masked_int8_held`, mode "none": the dense int8 GEMV; on CPU the native call's
+operands are bound once and kept on the module until its tensors move); several tokens through F.linear with
+the weight dequantized for that call. The adapters call `decode_int8` with their masks (rana.modules.common).
 """
 from __future__ import annotations
 
