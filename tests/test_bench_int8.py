@@ -102,3 +102,12 @@ def test_table_formats_a_fake_result(bench):
     assert "| llama.cpp Q8_0 | 5.00 | 200.0 | 0.100 | 0.167 |" in md
     assert "| llama.cpp Q8_0 | — | 145.0 |" in md  # a size-only row
     assert "FAIL" in md and "pass" in md and "skipped: nothing" in md and "`rana compress x --flops 0.58`" in md
+
+
+def test_vs_torch_help_runs():
+    """benchmarks/bench_int8_vs_torch.py (the three deciding rows for a bigger model) parses its options."""
+    script = SCRIPT.parent / "bench_int8_vs_torch.py"
+    out = subprocess.run([sys.executable, str(script), "--help"], cwd=REPO, capture_output=True, text=True,
+                         timeout=120, env={**os.environ, "HF_HUB_OFFLINE": "1"})
+    assert out.returncode == 0, out.stderr
+    assert "--folder" in out.stdout and "--model" in out.stdout
