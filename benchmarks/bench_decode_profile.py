@@ -111,7 +111,8 @@ class Probe:
         from rana.modules.int8 import Int8Linear
 
         fn, status = cpu_gemv._load()
-        int8_entries = {which: cpu_gemv._int8_entry(which) for which in (1, 2)}  # per call, operands bound once
+        int8_entries = {which: cpu_gemv._int8_entry(which) for which in (cpu_gemv.PER_CALL_ENTRY,
+                                                                         cpu_gemv.BOUND_ENTRY)}
         if fn is not None:
             wrapped = self._timed(fn, "kernel")
             self._patch(cpu_gemv, "_load", lambda: (wrapped, status))
@@ -140,7 +141,7 @@ class Probe:
             else:
                 setattr(owner, name, old)
         self.undo.clear()
-        if getattr(self, "model", None) is not None:
+        if self.model is not None:
             unbind(self.model)  # calls bound while patched would keep the patched kernels
             self.model = None
 
@@ -212,7 +213,8 @@ class Floor:
                 return 0
             if fn is not None:
                 self._patch(cpu_gemv, "_load", lambda: (fp32, status))
-                self._patch(cpu_gemv, "_int8_entry", {1: int8, 2: int8_bound}.get)
+                self._patch(cpu_gemv, "_int8_entry",
+                            {cpu_gemv.PER_CALL_ENTRY: int8, cpu_gemv.BOUND_ENTRY: int8_bound}.get)
                 unbind(model)
                 self.model = model
             return

@@ -280,6 +280,16 @@ def check_targets(result: dict) -> list[dict]:
     return out
 
 
+def headroom(floor: float, torch_int8: float, rana: float, macs: float) -> dict:
+    """What the "≤ 0.6 of dense int8" target leaves for reading the kept int8 rows, from ms per token: the budget
+    (0.6 × dense int8 time − the floor's time, FLOOR) and the read rate it would take (`macs` kept MACs per token,
+    one int8 weight byte each, over that budget), beside rana int8's own time above the floor and its rate."""
+    budget = TARGET_VS_INT8 * torch_int8 - floor
+    return {"floor_ms": floor, "floor_vs_dense_int8": floor / torch_int8, "budget_ms": budget,
+            "kept_mb_per_token": macs / 1e6, "needed_gb_s": macs / budget / 1e6 if budget > 0 else float("inf"),
+            "rana_above_floor_ms": rana - floor, "rana_gb_s": macs / (rana - floor) / 1e6}
+
+
 def target_headroom(result: dict) -> list[dict]:
     """Per thread count, what the "≤ 0.6 of dense int8" target leaves for reading the kept int8 rows: the budget
     (0.6 × dense int8 time − the floor's time, FLOOR) and the read rate it would take (the int8 folder's
@@ -293,11 +303,7 @@ def target_headroom(result: dict) -> list[dict]:
         floor, torch_int8, rana = (rows.get(n, {}).get("ms_per_token") for n in (FLOOR, TORCH_INT8, name))
         if None in (floor, torch_int8, rana, macs):
             continue
-        budget = TARGET_VS_INT8 * torch_int8 - floor
-        out.append({"threads": lat["threads"], "floor_ms": floor, "floor_vs_dense_int8": floor / torch_int8,
-                    "budget_ms": budget, "kept_mb_per_token": macs / 1e6,
-                    "needed_gb_s": macs / budget / 1e6 if budget > 0 else float("inf"),
-                    "rana_above_floor_ms": rana - floor, "rana_gb_s": macs / (rana - floor) / 1e6})
+        out.append({"threads": lat["threads"], **headroom(floor, torch_int8, rana, macs)})
     return out
 
 

@@ -61,10 +61,8 @@ def main(argv=None) -> None:
     for t in a.threads_list:
         lat = b.time_interleaved(models, tok, a, t, None)
         rows = lat["rows"]
-        floor, base, ours = (rows[n]["ms_per_token"] for n in (b.FLOOR, b.TORCH_INT8, name))
-        budget = b.TARGET_VS_INT8 * base - floor
-        lat["headroom"] = {"budget_ms": budget, "needed_gb_s": macs / budget / 1e6 if macs and budget > 0 else None,
-                           "rana_gb_s": macs / (ours - floor) / 1e6 if macs else None}
+        if macs:
+            lat["headroom"] = b.headroom(*(rows[n]["ms_per_token"] for n in (b.FLOOR, b.TORCH_INT8, name)), macs)
         result["latency"].append(lat)
     stem = Path(a.out) if a.out else b.RESULTS / f"int8_vs_torch_{Path(a.model).name.replace('.', 'p').lower()}"
     stem.with_suffix(".json").write_text(json.dumps(result, indent=2, default=str))
@@ -78,9 +76,10 @@ def main(argv=None) -> None:
     lines += ["", "| threads | budget ms (0.6 × dense int8 − floor) | read rate it needs | rana's read rate above the floor |",
               "|---|---|---|---|"]
     for lat in result["latency"]:
-        h = lat["headroom"]
-        lines.append(f"| {lat['threads']} | {h['budget_ms']:.2f} | {b._f(h['needed_gb_s'], '.1f')} GB/s | "
-                     f"{b._f(h['rana_gb_s'], '.1f')} GB/s |")
+        h = lat.get("headroom")  # none where plan.json has no measured MACs
+        if h:
+            lines.append(f"| {lat['threads']} | {h['budget_ms']:.2f} | {b._f(h['needed_gb_s'], '.1f')} GB/s | "
+                         f"{b._f(h['rana_gb_s'], '.1f')} GB/s |")
     stem.with_suffix(".md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
 

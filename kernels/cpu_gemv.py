@@ -680,9 +680,14 @@ def expert_masked_gemv_native(w_t: torch.Tensor, v: torch.Tensor, idx: torch.Ten
     return y
 
 
+# the library's int8 entry points, by position in _INT8_KERNEL's entries: operands passed on every call
+# (rana_masked_gemv_i8) or bound once (rana_i8_bound, NativeInt8Call)
+PER_CALL_ENTRY, BOUND_ENTRY = 1, 2
+
+
 def native_kernel_int8():
     """The compiled int8-weight kernel (a ctypes function), or None when the native library is unavailable."""
-    return _int8_entry(1)
+    return _int8_entry(PER_CALL_ENTRY)
 
 
 def _int8_entry(which: int):
@@ -726,7 +731,7 @@ class NativeInt8Call:
              bias: torch.Tensor | None = None) -> "NativeInt8Call":
         tensors = (q_t, qscale, scale, bias)
         unusable = cls(tensors, mode)
-        fn = _int8_entry(2)
+        fn = _int8_entry(BOUND_ENTRY)
         mode_id = MODE_IDS.get(mode)
         if fn is None or mode_id is None or q_t.dim() != 2 or q_t.dtype is not torch.int8 or not q_t.is_cpu:
             return unusable
