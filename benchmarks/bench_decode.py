@@ -297,18 +297,21 @@ def profile_step(model, ids: torch.Tensor, top: int = 12) -> list[dict]:
     from torch.profiler import ProfilerActivity, profile, record_function
 
     from rana.kernels import cpu_gemv
+    from rana.modules.operands import drop_operands
 
     out = model(ids, use_cache=True)
     past, nxt = out.past_key_values, out.logits[:, -1:].argmax(-1)
     loader = cpu_gemv._load
-    fn, status = loader()
-    if fn is not None:  # the C call is no torch op: name it for the profiler
+    lib, status = loader()
+    if lib is not None:  # the C call is no torch op: name it for the profiler
 
         def named(*a):
             with record_function("rana::native_masked_gemv (C)"):
-                return fn(*a)
+                return lib.masked(*a)
 
-        cpu_gemv._load = lambda: (named, status)
+        cpu_gemv._load = lambda: (lib._replace(masked=named), status)
+        for m in model.modules():
+            drop_operands(m)  # their calls were bound to the unnamed entry point
     try:
         with profile(activities=[ProfilerActivity.CPU]) as prof:
             for step in range(8):
@@ -317,6 +320,8 @@ def profile_step(model, ids: torch.Tensor, top: int = 12) -> list[dict]:
                 past, nxt = out.past_key_values, out.logits[:, -1:].argmax(-1)
     finally:
         cpu_gemv._load = loader
+        for m in model.modules():
+            drop_operands(m)
     events = sorted(prof.key_averages(), key=lambda e: e.self_cpu_time_total, reverse=True)
     total = sum(e.self_cpu_time_total for e in events)
     return [{"op": e.key, "calls_per_token": e.count / 8, "self_us_per_token": e.self_cpu_time_total / 8,

@@ -110,15 +110,10 @@ class Probe:
         from rana.modules import MacMeter, RankSliceLinear
         from rana.modules.int8 import Int8Linear
 
-        fn, status = cpu_gemv._load()
-        int8_entries = {which: cpu_gemv._int8_entry(which) for which in (cpu_gemv.PER_CALL_ENTRY,
-                                                                         cpu_gemv.BOUND_ENTRY)}
-        if fn is not None:
-            wrapped = self._timed(fn, "kernel")
-            self._patch(cpu_gemv, "_load", lambda: (wrapped, status))
-        if None not in int8_entries.values():
-            timed = {which: self._timed(entry, "kernel") for which, entry in int8_entries.items()}
-            self._patch(cpu_gemv, "_int8_entry", timed.get)
+        lib, status = cpu_gemv._load()
+        if lib is not None:
+            timed = lib._replace(masked=self._timed(lib.masked, "kernel"), expert=self._timed(lib.expert, "kernel"))
+            self._patch(cpu_gemv, "_load", lambda: (timed, status))
         unbind(model)  # calls bound before were bound to the kernels themselves
         self.model = model
         self._patch(F, "linear", self._timed(F.linear, "blas"))
@@ -166,11 +161,11 @@ _MISSING, _INSTANCE = object(), object()
 
 
 def unbind(model) -> None:
-    """Drop every module's bound native int8 call (rana.kernels.cpu_gemv.NativeInt8Call): the next token binds
-    to whatever kernel entry points are current (patched or restored)."""
-    from rana.modules.int8 import drop_bound_call
+    """Drop every module's decode operands and so their bound native calls (rana.kernels.cpu_gemv.NativeCall):
+    the next token binds to whatever kernel entry points are current (patched or restored)."""
+    from rana.modules.operands import drop_operands
     for m in model.modules():
-        drop_bound_call(m)
+        drop_operands(m)
 
 
 # ------------------------------------------------------------------------------------ floors
@@ -197,24 +192,18 @@ class Floor:
         from rana.modules.int8 import Int8Linear
 
         if self.kind == "kernels":
-            fn, status = cpu_gemv._load()
+            lib, status = cpu_gemv._load()
             memset = ctypes.memset
 
-            def fp32(w, x, K, N, ldw, t, mode, scale, bias, y, limit, xm, threads):
-                memset(y, 0, N * 4)
+            def masked(operands, x, t, y, limit, xm, threads):
+                memset(y, 0, cpu_gemv._Operands.from_address(operands).N * 4)
                 return 0
 
-            def int8(w, qscale, x, K, N, ldw, t, mode, scale, bias, y, idx, threads):
-                memset(y, 0, N * 4)
+            def expert(w, x, experts, t, S, K, N, lde, ldw, ldx, y, threads):
+                memset(y, 0, S * N * 4)
                 return 0
-
-            def int8_bound(operands, x, t, y, threads):
-                memset(y, 0, cpu_gemv._Int8Operands.from_address(operands).N * 4)
-                return 0
-            if fn is not None:
-                self._patch(cpu_gemv, "_load", lambda: (fp32, status))
-                self._patch(cpu_gemv, "_int8_entry",
-                            {cpu_gemv.PER_CALL_ENTRY: int8, cpu_gemv.BOUND_ENTRY: int8_bound}.get)
+            if lib is not None:
+                self._patch(cpu_gemv, "_load", lambda: (lib._replace(masked=masked, expert=expert), status))
                 unbind(model)
                 self.model = model
             return

@@ -32,19 +32,24 @@ from pathlib import Path
 
 if "--interpret-smoke" in sys.argv:  # must precede the first kernel build
     os.environ["TRITON_INTERPRET"] = "1"
+    os.environ["RANA_TRITON_ON_CPU"] = "1"  # CPU operands take the Triton kernels (rana.kernels.weights)
 
 import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 try:
     from rana.kernels import cpu_gemv as cg
-    from rana.kernels import masked_gemv as mg
+    from rana.kernels import modes, route, triton_gemv
+    from rana.kernels import torch_gemv as mg
+    from rana.kernels import weights
 except ImportError:  # running from a checkout without `pip install -e .`: import kernels/ as a package
     import importlib
 
     sys.path.insert(0, str(ROOT))
     cg = importlib.import_module("kernels.cpu_gemv")
-    mg = importlib.import_module("kernels.masked_gemv")
+    mg = importlib.import_module("kernels.torch_gemv")
+    modes, route = importlib.import_module("kernels.modes"), importlib.import_module("kernels.route")
+    triton_gemv, weights = importlib.import_module("kernels.triton_gemv"), importlib.import_module("kernels.weights")
 
 SHAPES = [(576, 192), (576, 576), (576, 1536), (1536, 576), (4096, 4096), (4096, 11008), (11008, 4096)]
 FRACS = [0.1, 0.25, 0.5, 0.75, 0.9, 1.0]
@@ -136,9 +141,9 @@ def run_cpu(shapes, fracs, dtypes, mode, min_run_time, rounds, threads, pool_mb)
     """Dense and the masked paths are timed back to back `rounds` times; the reported ratio is
     the median of the per-round ratios (robust to load drifting on a shared machine).
 
-    masked_gemv: the dispatcher the RaNA modules call (native kernel for fp32, embedding_bag
-    for fp16/bf16); torch_gather: the same without the native kernel (embedding_bag below
-    CPU_GATHER_MAX_FRACTION, dense masked above); dense_masked: mask then dense GEMV."""
+    masked_gemv: the decode route as the RaNA modules call it, with the operand a module keeps (native
+    kernel for fp32, embedding_bag for fp16/bf16); torch_gather: the same without the native kernel
+    (embedding_bag below CPU_GATHER_MAX_FRACTION, dense masked above); dense_masked: mask then dense GEMV."""
     torch.set_grad_enabled(False)
     torch.set_num_threads(threads)
     torch_only = _without_native(mg.masked_gemv_torch)
@@ -147,12 +152,13 @@ def run_cpu(shapes, fracs, dtypes, mode, min_run_time, rounds, threads, pool_mb)
         dtype = DTYPE_NAMES[dname]
         for K, N in shapes:
             pool = _weight_pool(K, N, dtype, pool_mb)
+            operands = {id(w): weights.FloatWeight(w.t()) for w in pool}  # kept per weight, as a module keeps its
             print(f"[cpu] {dname} K={K} N={N} ({len(pool)} weight copies)", flush=True)
             for f in fracs:
                 v, t, scale = make_input(K, dtype, "cpu", f, mode)
                 fns = {
                     "dense": lambda w: v @ w,
-                    "masked_gemv": lambda w: mg.masked_gemv(w, v, t, mode=mode, scale=scale),
+                    "masked_gemv": lambda w: route.decode_masked(operands[id(w)], v, t, mode, scale),
                     "torch_gather": lambda w: torch_only(w, v, t, mode=mode, scale=scale),
                     "dense_masked": lambda w: mg.masked_gemv_dense(w, v, t, mode=mode, scale=scale),
                 }
@@ -185,6 +191,7 @@ def run_gpu(shapes, fracs, dtypes, mode, device, timer, graphs):
         dtype = DTYPE_NAMES[dname]
         for K, N in shapes:
             w_t = make_weight(K, N, dtype, device)
+            operand = weights.FloatWeight(w_t.t())
             v, _, scale = make_input(K, dtype, device, 1.0, mode)
             timings = {"eager": lambda fn: timer(fn, False)}
             if graphs:
@@ -200,7 +207,7 @@ def run_gpu(shapes, fracs, dtypes, mode, device, timer, graphs):
             for f in fracs:
                 v, t, scale = make_input(K, dtype, device, f, mode)
                 paths = {
-                    "triton": lambda: mg.masked_gemv_triton(w_t, v, t, mode=mode, scale=scale),
+                    "triton": lambda: route.decode_masked(operand, v, t, mode, scale),
                     "dense_masked": lambda: mg.masked_gemv_dense(w_t, v, t, mode=mode, scale=scale),
                 }
                 ref = mg.masked_gemv_reference(w_t, v, t, mode=mode, scale=scale).float()
@@ -305,7 +312,7 @@ def main(argv=None):
     p.add_argument("--skip-cpu", action="store_true")
     p.add_argument("--skip-gpu", action="store_true")
     p.add_argument("--quick", action="store_true", help="3 shapes, 3 fractions")
-    p.add_argument("--mode", default="abs", choices=list(mg.MODES))
+    p.add_argument("--mode", default="abs", choices=list(modes.MASKING_MODES))
     p.add_argument("--cpu-dtypes", default="fp32,bf16,fp16")
     p.add_argument("--gpu-dtypes", default="fp16,bf16")
     p.add_argument("--min-run-time", type=float, default=0.1, help="CPU seconds per measurement")
@@ -331,7 +338,7 @@ def main(argv=None):
                        a.pool_mb)
         write_cpu(recs, fracs, a.mode, a.out_dir, a.threads, a.pool_mb)
     if not a.skip_gpu:
-        if torch.cuda.is_available() and mg.triton_available():
+        if torch.cuda.is_available() and triton_gemv.triton_available():
             if os.environ.get("TRITON_INTERPRET") == "1":
                 sys.exit("unset TRITON_INTERPRET to benchmark the GPU")
             recs = run_gpu(shapes, fracs, a.gpu_dtypes.split(","), a.mode, "cuda", gpu_time_us,

@@ -8,9 +8,9 @@ weight copies (--pool-mb of fp32 copies and as many int8 copies, so both stream 
 decoding model's layers do), `--rounds` times; the tables report medians of the per-round times and
 ratios:
 
-* ``fp32 masked``: ``masked_linear_native`` (the shipped fp32 path: the native kernel, dense BLAS on the
-  masked input above its active limit);
-* ``int8 masked``: ``masked_linear_native_int8`` (the kept int8 rows only, fp32 accumulation, scale at
+* ``fp32 masked``: the native call a module binds for fp32 weights (``cpu_gemv.NativeCall``: the native
+  kernel, dense BLAS on the masked input above its active limit);
+* ``int8 masked``: the same call bound for int8 weights (the kept int8 rows only, fp32 accumulation, scale at
   the end; f = 1.0 is mode "none": the dense int8 GEMV);
 * ``fp32 dense``: ``F.linear`` (BLAS) on the whole fp32 weight.
 
@@ -80,20 +80,22 @@ def _pool_us(fn, pool, reps: int) -> float:
 
 def run(shapes, fracs, threads_list, pool_mb: float, rounds: int, reps: int) -> list[dict]:
     torch.set_grad_enabled(False)
-    abs_id = cg.MODE_IDS["abs"]
     records = []
     for K, N in shapes:
         fp32, int8, qscale = _pools(K, N, pool_mb)
+        # each weight's calls bound once, as a module's operand keeps them (by weight and mode)
+        calls = {(id(w), "abs"): cg.NativeCall.bind(w.t(), None, "abs") for w in fp32}
+        calls.update({(id(q), m): cg.NativeCall.bind(q, qscale, m) for q in int8 for m in ("abs", "none")})
         v = torch.randn(1, K, generator=torch.Generator().manual_seed(1))
         for threads in threads_list:
             torch.set_num_threads(threads)
             print(f"K={K} N={N} threads={threads} ({len(fp32)} copies of each weight)", flush=True)
             for f in fracs:
                 t = _threshold(v, f)
-                mode = 0 if f >= 1.0 else abs_id
+                mode = "none" if f >= 1.0 else "abs"
                 fns = {
-                    "fp32_masked": (lambda w: cg.masked_linear_native(w, v, t, abs_id), fp32),
-                    "int8_masked": (lambda q: cg.masked_linear_native_int8(q, qscale, v, t, mode), int8),
+                    "fp32_masked": (lambda w: calls[id(w), "abs"](v, t), fp32),
+                    "int8_masked": (lambda q: calls[id(q), mode](v, t), int8),
                     "fp32_dense": (lambda w: torch.nn.functional.linear(v, w), fp32),
                 }
                 times = {name: [] for name in fns}
@@ -143,7 +145,7 @@ def main(argv=None) -> None:
     p.add_argument("--reps", type=int, default=3)
     p.add_argument("--smoke", action="store_true", help="tiny shapes, one round: checks the script, not speed")
     args = p.parse_args(argv)
-    if cg.native_kernel_int8() is None:
+    if cg.native_kernel() is None:
         p.error(f"the native kernel is unavailable here: {cg.native_status()}")
     if args.smoke:
         if "--out" not in (argv if argv is not None else sys.argv):

@@ -32,7 +32,7 @@ by ``python -m rana.kernels.gemv_tune`` on that GPU), else from a shape heuristi
 pure function of shapes, so eager, traced and captured calls take the same config and nothing is
 timed behind the user's back. Under TRITON_INTERPRET=1 small blocks are used.
 
-int8 weights (``rana_masked_gemv_int8``, :func:`grouped_masked_gemv_int8_triton`): the same kernel body with
+int8 weights (``rana_masked_gemv_int8``, :func:`grouped_masked_gemv_triton` with ``qscales``): the same kernel body with
 ``INT8`` set: ``w_t_g`` int8 (K_g, N_g), loaded only for kept rows (a quarter of an fp32 row's bytes),
 converted to fp32 and accumulated in fp32; each program multiplies its sum by the fp32 per-output-channel
 scale once, before the bias and before a split's partials are stored (qscale · Σ_s p_s = Σ_s qscale · p_s:
@@ -46,6 +46,7 @@ exported model and imported on machines without triton.
 """
 from __future__ import annotations
 
+import functools
 import json
 import math
 import os
@@ -53,11 +54,11 @@ from pathlib import Path
 
 import torch
 
-# one table of mask modes for every kernel: the ids are the C kernel's and the Triton kernel's ABI
-from .cpu_gemv import MODE_IDS
+# one table of mask modes for every kernel (modes.py): the ids are the C kernel's and the Triton kernel's ABI
+from .modes import MODE_IDS, mode_id
 
-__all__ = ["triton_available", "interpreting", "grouped_masked_gemv_triton", "grouped_dense_gemv_triton",
-           "grouped_masked_gemv_int8_triton", "int8_kernel", "expert_masked_gemv_triton", "expert_kernel",
+__all__ = ["triton_available", "kernels_available", "interpreting", "grouped_masked_gemv_triton", "grouped_dense_gemv_triton",
+           "int8_kernel", "expert_masked_gemv_triton", "expert_kernel",
            "choose_config", "heuristic_config",
            "MODE_IDS", "GemvConfig", "TABLE_FILE", "table_key", "sparsity_bin", "KERNEL_NAMES", "config_table",
            "set_config_table", "read_table"]
@@ -92,6 +93,21 @@ def kernels():
     return rana_masked_gemv, rana_gemv_reduce, rana_dense_gemv
 
 
+@functools.lru_cache(maxsize=1)
+def kernels_available() -> bool:
+    """Whether the Triton kernels can be launched here: triton imports and every kernel was defined (a triton
+    that cannot build them leaves the torch and native paths)."""
+    if triton is None:
+        return False
+    try:
+        kernels()
+        int8_kernel()
+        expert_kernel()
+    except Exception:
+        return False
+    return True
+
+
 def int8_kernel():
     """The masked GEMV kernel for int8 weights with per-output-channel scales (its split launches reuse
     the reduce kernel of :func:`kernels`)."""
@@ -104,16 +120,21 @@ def int8_kernel():
 # kernels (module level: see the docstring; TRITON_INTERPRET is read when the module is imported)
 # --------------------------------------------------------------------------------------------
 if triton is not None:
+    # the mask modes' ids from modes.py, as globals a kernel may read (constexpr: inductor re-emits them)
+    MODE_NONE = tl.constexpr(MODE_IDS["none"])
+    MODE_SQUARE = tl.constexpr(MODE_IDS["square"])
+    MODE_ABS_SCALED = tl.constexpr(MODE_IDS["abs_scaled"])
+    MODE_ABS = tl.constexpr(MODE_IDS["abs"])
 
     @triton.jit
     def _active(v, k_ok, t, scale_ptr, offs_k, MODE: tl.constexpr):
-        """The mask of one step's inputs (v in fp32)."""
-        if MODE == 1:
+        """The mask of one step's inputs (v in fp32); MODE_NONE keeps them all."""
+        if MODE == MODE_SQUARE:
             return k_ok & (v * v >= t)
-        elif MODE == 2:
+        elif MODE == MODE_ABS_SCALED:
             s = tl.load(scale_ptr + offs_k, mask=k_ok, other=0.0).to(tl.float32)
             return k_ok & (tl.abs(v) * s >= t)
-        elif MODE == 3:
+        elif MODE == MODE_ABS:
             return k_ok & (tl.abs(v) >= t)
         else:
             return k_ok
@@ -224,13 +245,13 @@ if triton is not None:
                                 BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
         # a mixture of experts' one token: grid axis 1 is the selected slot s, whose expert idx[s] is read
         # on the device (no host sync, no loop over experts); its w_t (K, N) is the idx[s]-th slice of the
-        # stacked weights and its inputs are masked by |v[s]| >= t[idx[s]] (MODE 3), kept rows only
+        # stacked weights and its inputs are masked by |v[s]| >= t[idx[s]] (MODE_ABS), kept rows only
         slot = tl.program_id(1)
         e = tl.load(idx_ptr + slot).to(tl.int64)
         offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
         n_ok = offs_n < N
         acc = _kept_rows_dot(w_ptr + e * stride_e, v_ptr + slot * stride_v, t_ptr + e, t_ptr, offs_n, n_ok, 0, K,
-                             stride_w, 3, BLOCK_N, BLOCK_K)
+                             stride_w, MODE_ABS, BLOCK_N, BLOCK_K)
         tl.store(out_ptr + slot * N + offs_n, acc.to(out_ptr.dtype.element_ty), mask=n_ok)
 
     @triton.jit
@@ -458,8 +479,7 @@ def _check_group(vs, w_ts, thresholds, scales, biases, mode: str) -> None:
     g = len(w_ts)
     if not 1 <= g <= MAX_GROUPS or not (len(vs) == len(thresholds) == len(scales) == len(biases) == g):
         raise ValueError(f"1 to {MAX_GROUPS} projections with one input, threshold, scale and bias slot each")
-    if mode not in MODE_IDS:
-        raise ValueError(f"mode must be one of {tuple(MODE_IDS)}, got {mode!r}")
+    mode_id(mode)  # ValueError for an unknown mode
     for v, w in zip(vs, w_ts):
         if w.dim() != 2 or v.numel() != w.shape[0]:
             raise ValueError(f"one token per projection: v of {v.numel()} values for w_t of shape {tuple(w.shape)}")
@@ -541,36 +561,31 @@ def _launch(vs, w_ts, thresholds, mode: str, scales, biases, cfg: GemvConfig, wr
     return out
 
 
-def grouped_masked_gemv_triton(vs, w_ts, thresholds, mode: str, scales, biases, sbin: int = 2,
-                               wrap=None) -> torch.Tensor:
+def grouped_masked_gemv_triton(vs, w_ts, thresholds, mode: str, scales, biases, sbin: int = 2, wrap=None,
+                               qscales=None, config: GemvConfig | None = None) -> torch.Tensor:
     """Concatenated masked GEMVs of up to three projections in one launch (plus a reduce launch when the
-    inputs are split). The config is :func:`choose_config`'s. Returns a 1-D tensor of sum(N_g) values in
-    vs[0]'s dtype."""
+    inputs are split); a 1-D tensor of sum(N_g) values in vs[0]'s dtype.
+
+    Float weights ``w_t_g`` (K_g, N_g), or, with ``qscales`` (one per projection), int8 codes: ``out_g =
+    qscale_g ⊙ ((m_g ⊙ v_g) @ q_t_g) (+ bias_g)``, q_t_g int8 with unit stride along N, qscale_g (N_g,) read as
+    fp32. The kept int8 rows are converted to fp32 on the load and accumulated in fp32; each program
+    multiplies its sum by the scale once, before the bias (a split's partials are each scaled, then summed by
+    the reduce launch). Config: ``config`` when given (the tuner, tests of both store paths), else
+    :func:`choose_config` (int8 weights: ``weight_dtype=torch.int8``, their own table keys and heuristic)."""
     _check_group(vs, w_ts, thresholds, scales, biases, mode)
+    int8 = qscales is not None and any(qs is not None for qs in qscales)
+    if int8:
+        if len(qscales) != len(w_ts):
+            raise ValueError("one qscale per projection")
+        for q, qs in zip(w_ts, qscales):
+            if q.dtype != torch.int8 or qs is None or qs.numel() != q.shape[1] or not qs.dtype.is_floating_point:
+                raise ValueError(f"int8 masked GEMV: an int8 (K, N) weight and N scales, got {q.dtype} "
+                                 f"{tuple(q.shape)} and {None if qs is None else (qs.dtype, tuple(qs.shape))}")
     ks, ns = [w.shape[0] for w in w_ts], [w.shape[1] for w in w_ts]
-    cfg = choose_config(ks, ns, vs[0].dtype, mode, sbin, vs[0].device)
-    return _launch(vs, w_ts, thresholds, mode, scales, biases, cfg, wrap=wrap)
-
-
-def grouped_masked_gemv_int8_triton(vs, q_ts, qscales, thresholds, mode: str, scales, biases, sbin: int = 2,
-                                    wrap=None, config: GemvConfig | None = None) -> torch.Tensor:
-    """:func:`grouped_masked_gemv_triton` for int8 weights: ``out_g = qscale_g ⊙ ((m_g ⊙ v_g) @ q_t_g)
-    (+ bias_g)``, q_t_g int8 (K_g, N_g) with unit stride along N, qscale_g (N_g,) (read as fp32). The kept int8 rows
-    are converted to fp32 on the load and accumulated in fp32; each program multiplies its sum by the
-    scale once, before the bias (a split's partials are each scaled, then summed by the reduce launch).
-    Config: ``config`` when given (the tuner, tests of both store paths), else :func:`choose_config` with
-    ``weight_dtype=torch.int8`` (its own table keys and heuristic)."""
-    _check_group(vs, q_ts, thresholds, scales, biases, mode)
-    if len(qscales) != len(q_ts):
-        raise ValueError("one qscale per projection")
-    for q, qs in zip(q_ts, qscales):
-        if q.dtype != torch.int8 or qs.numel() != q.shape[1] or not qs.dtype.is_floating_point:
-            raise ValueError(f"int8 masked GEMV: an int8 (K, N) weight and N scales, got {q.dtype} "
-                             f"{tuple(q.shape)} and {qs.dtype} {tuple(qs.shape)}")
-    ks, ns = [w.shape[0] for w in q_ts], [w.shape[1] for w in q_ts]
-    cfg = config or choose_config(ks, ns, vs[0].dtype, mode, sbin, vs[0].device, weight_dtype=torch.int8)
-    return _launch(vs, q_ts, thresholds, mode, scales, biases, cfg, wrap=wrap,
-                   qscales=[qs.reshape(-1) for qs in qscales])
+    cfg = config or choose_config(ks, ns, vs[0].dtype, mode, sbin, vs[0].device,
+                                  weight_dtype=torch.int8 if int8 else None)
+    return _launch(vs, w_ts, thresholds, mode, scales, biases, cfg, wrap=wrap,
+                   qscales=[qs.reshape(-1) for qs in qscales] if int8 else None)
 
 
 # --------------------------------------------------------------------------------------------

@@ -13,13 +13,18 @@ from pathlib import Path
 import pytest
 import torch
 
+import gemv_dispatch as dispatch
 from rana.kernels import cpu_gemv as cg
-from rana.kernels import masked_gemv as mg
 from rana.modules import InputSparseLinear, NeuronThresholdLinear, RankAdapterLinear
 
 from test_kernels import MODES, _assert_close, _expected, _problem
 
 KERNEL_DIR = Path(cg.__file__).resolve().parent
+
+
+def _native_gemv(w_t, v, t, mode, scale=None, bias=None, limit=None):
+    """The native kernel with its operands bound for one call (cg.native_masked), float weights."""
+    return cg.native_masked(w_t, None, v, t, mode, scale, bias, limit)
 
 
 @pytest.fixture(scope="module")
@@ -49,17 +54,17 @@ def test_native_matches_float64(native, threads, mode, frac, nthreads):
         exp = _expected(w_t, v, t, mode, scale, b)
         for bias in (b, None):
             e = exp if bias is not None else _expected(w_t, v, t, mode, scale, None)
-            y = cg.masked_gemv_native(w_t, v, t, mode, scale=scale, bias=bias)
+            y = _native_gemv(w_t, v, t, mode, scale=scale, bias=bias)
             assert y is not None and y.shape == (*lead, N)
             _assert_close(y, e, torch.float32)
-            y_linear = cg.masked_linear_native(w_t.t(), v, t, cg.MODE_IDS[mode], scale=scale, bias=bias)
-            _assert_close(y_linear, e, torch.float32)
+            y_bound = cg.NativeCall.bind(w_t, None, mode, scale, bias)(v, t)  # bound once, as a module's
+            _assert_close(y_bound, e, torch.float32)
 
 
 @pytest.mark.parametrize("limit", [0, 10, 10_000])
 def test_native_limit_switches_branch_not_result(native, limit):
     w_t, v, t, scale, b = _problem(300, 80, torch.float32, "abs_scaled", 0.4, seed=3)
-    y = cg.masked_gemv_native(w_t, v, t, "abs_scaled", scale=scale, bias=b, limit=limit)
+    y = _native_gemv(w_t, v, t, "abs_scaled", scale=scale, bias=b, limit=limit)
     _assert_close(y, _expected(w_t, v, t, "abs_scaled", scale, b), torch.float32)
 
 
@@ -70,7 +75,7 @@ def test_native_never_reads_inactive_rows(native, threads, nthreads):
     w_t, v, t, _, _ = _problem(K, N, torch.float32, "square", 0.3, bias=False, seed=5)
     poisoned = w_t.clone()
     poisoned[(v.reshape(K).double() ** 2) < t] = float("nan")
-    y = cg.masked_gemv_native(poisoned, v, t, "square", limit=K)
+    y = _native_gemv(poisoned, v, t, "square", limit=K)
     assert torch.isfinite(y).all()
     _assert_close(y, _expected(w_t, v, t, "square"), torch.float32)
 
@@ -86,42 +91,43 @@ def test_dense_prediction_never_changes_the_result(native):
     calls = []
     for step in range(3 * cg.DENSE_STREAK):
         v = torch.randn(1, 1, K, generator=g) * (4.0 if step % 5 == 0 else 0.5)  # dense / sparse tokens
-        y = cg.masked_gemv_native(w_t, v, t, "abs", bias=b)
+        y = _native_gemv(w_t, v, t, "abs", bias=b)
         _assert_close(y, _expected(w_t, v, t, "abs", None, b), torch.float32)
         calls.append(cg.dense_streak(w_t.t(), t))
     assert max(calls) == cg.DENSE_STREAK and min(calls) == 0  # both branches were taken
     for t in (0.0, -1.0, float("-inf")):  # every input active: the plain product
         v = torch.randn(1, 1, K, generator=g)
-        _assert_close(cg.masked_gemv_native(w_t, v, t, "abs", bias=b), _expected(w_t, v, None, "abs", None, b),
+        _assert_close(_native_gemv(w_t, v, t, "abs", bias=b), _expected(w_t, v, None, "abs", None, b),
                       torch.float32)
 
 
 def test_native_declines_what_it_does_not_handle(native):
     """Other dtypes, layouts and several tokens go back to the caller's torch path."""
     w_t, v, t, scale, _ = _problem(64, 32, torch.float32, "abs", 0.5, seed=7)
-    assert cg.masked_gemv_native(w_t.half(), v.half(), t, "abs") is None
-    assert cg.masked_gemv_native(w_t.t().contiguous().t(), v, t, "abs") is None  # columns not contiguous
-    assert cg.masked_gemv_native(w_t, torch.randn(2, 64), t, "abs") is None
-    assert cg.masked_gemv_native(w_t, v, t, "abs_scaled") is None  # no scale
-    assert cg.masked_gemv_native(w_t, v, t, "relu") is None
+    assert _native_gemv(w_t.half(), v.half(), t, "abs") is None
+    assert _native_gemv(w_t.t().contiguous().t(), v, t, "abs") is None  # columns not contiguous
+    assert _native_gemv(w_t, torch.randn(2, 64), t, "abs") is None
+    assert _native_gemv(w_t, v, t, "abs_scaled") is None  # no scale
+    assert _native_gemv(w_t, v, t, "relu") is None
 
 
-def test_dispatcher_uses_native_for_fp32_cpu_tokens(native, monkeypatch):
+def test_route_uses_native_for_fp32_cpu_tokens(native, monkeypatch):
     calls = []
-    real = mg.masked_gemv_native
+    real = cg.NativeCall.__call__
 
     def spy(*a, **k):
         y = real(*a, **k)
         calls.append(y is not None)
         return y
 
-    monkeypatch.setattr(mg, "masked_gemv_native", spy)
+    monkeypatch.setattr(cg.NativeCall, "__call__", spy)
     w_t, v, t, _, b = _problem(96, 40, torch.float32, "abs", 0.3, seed=9)
-    _assert_close(mg.masked_gemv(w_t, v, t, mode="abs", bias=b), _expected(w_t, v, t, "abs", None, b), torch.float32)
+    _assert_close(dispatch.masked_gemv(w_t, v, t, mode="abs", bias=b), _expected(w_t, v, t, "abs", None, b),
+                  torch.float32)
     assert calls == [True]
     calls.clear()
-    mg.masked_gemv(w_t.bfloat16(), v.bfloat16(), t, mode="abs")  # declined -> embedding_bag path
-    assert calls == [False]
+    dispatch.masked_gemv(w_t.bfloat16(), v.bfloat16(), t, mode="abs")  # bf16 weights: the torch backend
+    assert calls == []
 
 
 def _modules(K=96, N=72, r=24, seed=0):
@@ -187,11 +193,14 @@ def _run(code: str, env_extra: dict, tmp_path) -> subprocess.CompletedProcess:
 
 _FALLBACK_CHECK = """
 import torch
-from rana.kernels import cpu_gemv as cg, masked_gemv as mg
+from rana.kernels import cpu_gemv as cg, route
+from rana.kernels.weights import FloatWeight
 assert cg.native_kernel() is None, cg.native_status()
 print(cg.native_status())
 w, v = torch.randn(64, 24), torch.randn(1, 1, 64)
-y = mg.masked_gemv(w, v, 0.6, mode="abs")
+operand = FloatWeight(w.t())
+assert operand.backend == "torch", operand.backend
+y = route.decode_masked(operand, v, torch.tensor(0.6), "abs")
 exp = (v.double() * (v.abs() >= 0.6)) @ w.double()
 assert (y.double() - exp).abs().max() < 1e-4
 print("OK")

@@ -19,7 +19,7 @@ import torch
 from decode_harness import STEPS, decode_step, greedy_static
 from helpers import tiny_model
 from rana.archs import get_arch
-from rana.kernels import ops
+from rana.kernels import ops, route
 from rana.modules import (InputSparseLinear, NeuronThresholdLinear, RankAdapterLinear, groups, link_decode_groups,
                           relink)
 
@@ -92,9 +92,9 @@ def grouped_calls(monkeypatch):
     calls = []
     real = groups.decode_masked_grouped
 
-    def counting(vs, *args):
-        calls.append(len(vs))
-        return real(vs, *args)
+    def counting(ws, *args):
+        calls.append(len(ws))
+        return real(ws, *args)
 
     monkeypatch.setattr(groups, "decode_masked_grouped", counting)
     # eagerly on CPU the groups step aside by default (a grouped call is a loop there): exercise the grouping
@@ -185,7 +185,7 @@ def test_group_steps_aside(grouped_calls):
         attn.q_proj(torch.randn(1, 3, 64))  # prefill
         assert grouped_calls == []
         q, k, v = attn.q_proj(x), attn.k_proj(x), attn.v_proj(x)
-        assert grouped_calls == [3] and attn.q_proj._decode_group._decoded is None  # dropped after the last
+        assert grouped_calls == [3] and not attn.q_proj._decode_group._outputs  # dropped after the last
         q2 = attn.q_proj(x)
         k_other = attn.k_proj(other)  # another tensor starts a new round: its own grouped call
         k2 = attn.k_proj(x)  # x's round was replaced: computed again, never mixed up
@@ -298,7 +298,7 @@ def test_compress_links_and_records_the_sparsity_bin(tmp_path):
     assert mlp.gate_proj._decode_group.members() == [mlp.gate_proj, mlp.up_proj]
     plan_q = next(e for e in result.plan["layers"][0]["attention"]["components"].values() if e.get("path") == "self_attn.q_proj")
     assert attn.q_proj.active_fraction == pytest.approx(plan_q["expected_active"] / 64)
-    assert attn.q_proj.decode_bin == ops.sparsity_bin(attn.q_proj.active_fraction)
+    assert attn.q_proj.decode_bin == route.sparsity_bin(attn.q_proj.active_fraction)
 
     rio.save(model, None, tmp_path / "r")
     specs = json.loads((tmp_path / "r" / "rana_config.json").read_text())["adapters"]
@@ -322,7 +322,7 @@ def test_compress_links_and_records_the_sparsity_bin(tmp_path):
     cfg.write_text(json.dumps(meta))
     old, _ = rio.load(tmp_path / "r")
     oa = old.model.layers[0].self_attn
-    assert oa.q_proj.active_fraction is None and oa.q_proj.decode_bin == ops.DEFAULT_SPARSITY_BIN
+    assert oa.q_proj.active_fraction is None and oa.q_proj.decode_bin == route.DEFAULT_SPARSITY_BIN
     assert oa.q_proj._decode_group is not None
     torch.testing.assert_close(_decode_logits(old), _decode_logits(model))
 
@@ -335,15 +335,15 @@ INTERPRETED = textwrap.dedent(r'''
     import torch
     sys.path.insert(0, sys.argv[1])
     from rana.archs import get_arch
-    from rana.kernels import ops
+    from rana.kernels import ops, weights
     from rana.modules import groups, link_decode_groups
     from test_decode_groups import adapted
-    assert ops.HAS_TRITON and ops._INTERPRET
+    assert ops.HAS_TRITON and weights.TRITON_ON_CPU
     launches, code_launches = [], []
     real = groups.decode_masked_grouped
-    groups.decode_masked_grouped = lambda vs, *a: launches.append(len(vs)) or real(vs, *a)
+    groups.decode_masked_grouped = lambda ws, *a: launches.append(len(ws)) or real(ws, *a)
     real_codes = groups.decode_dense_grouped
-    groups.decode_dense_grouped = lambda vs, ws: code_launches.append(len(ws)) or real_codes(vs, ws)
+    groups.decode_dense_grouped = lambda ws, vs: code_launches.append(len(ws)) or real_codes(ws, vs)
     for dtype, qkv, mlp_in, ts in ((torch.float32, ("abs",) * 3, "square", None),
                                    (torch.bfloat16, ("abs_scaled",) * 3, "abs", None),
                                    (torch.float16, ("abs",) * 3, "square", (float("inf"), -float("inf"), 0.3))):

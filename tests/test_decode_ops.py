@@ -46,13 +46,13 @@ def _reference(w_t, v, t, mode, scale, b):
 @pytest.mark.parametrize("mode", ["square", "abs_scaled", "abs", "none"])
 def test_opcheck_cpu_ops(dtype, mode):
     w_t, v, t, scale, b = _case(40, 24, dtype, mode)
-    torch.library.opcheck(torch.ops.rana.masked_gemv.default, (w_t, v, t, mode, scale, b))
-    y = torch.ops.rana.masked_gemv(w_t, v, t, mode, scale, b)
+    torch.library.opcheck(torch.ops.rana.masked_gemv.default, (w_t, None, v, t, mode, scale, b))
+    y = torch.ops.rana.masked_gemv(w_t, None, v, t, mode, scale, b)
     assert y.shape == (1, 1, 24) and y.dtype == dtype
     tol = 1e-4 if dtype == torch.float32 else 0.1
     torch.testing.assert_close(y.double().reshape(-1), _reference(w_t, v, t, mode, scale, b), atol=tol, rtol=0.02)
     w2, _, t2, s2, _ = _case(40, 8, dtype, mode, seed=1, bias=False)
-    args = ([v, v], [w_t, w2], [t, t2], mode, [scale, s2], [b, None])
+    args = ([v, v], [w_t, w2], [None, None], [t, t2], mode, [scale, s2], [b, None])
     torch.library.opcheck(torch.ops.rana.masked_gemv_grouped.default, args)
     flat = torch.ops.rana.masked_gemv_grouped(*args)
     assert flat.shape == (32,)
@@ -82,7 +82,7 @@ INTERPRETED = textwrap.dedent(r'''
         global checked
         vs, ws, ts, ss, bs = zip(*groups)
         if cfg is None:
-            flat = op(list(vs), list(ws), list(ts), mode, list(ss), list(bs), 2)
+            flat = op(list(vs), list(ws), [None] * len(ws), list(ts), mode, list(ss), list(bs), 2)
         else:
             flat = tg._launch(list(vs), list(ws), list(ts), mode, list(ss), list(bs), cfg)
         assert flat.dtype == dtype and flat.shape == (sum(w.shape[1] for w in ws),), (flat.dtype, flat.shape)
@@ -116,20 +116,20 @@ INTERPRETED = textwrap.dedent(r'''
         check(qkv, "abs", torch.bfloat16, cfg)
     # empty and full masks
     w, v, _, _, b = _case(33, 20, torch.float16, "abs", seed=9)
-    empty = op([v], [w], [torch.tensor(1e30)], "abs", [None], [b], 2)
+    empty = op([v], [w], [None], [torch.tensor(1e30)], "abs", [None], [b], 2)
     torch.testing.assert_close(empty, b)
-    full = op([v], [w], [torch.tensor(-float("inf"))], "abs", [None], [b], 2)
+    full = op([v], [w], [None], [torch.tensor(-float("inf"))], "abs", [None], [b], 2)
     torch.testing.assert_close(full.double(), _reference(w, v, torch.tensor(0.0), "none", None, b), atol=2e-2, rtol=1e-2)
     # inactive rows are never read (NaN there would poison the sum)
     w, v, t, _, _ = _case(48, 16, torch.float32, "abs", seed=10, bias=False)
     poisoned = w.clone()
     poisoned[(v.reshape(-1).abs() < t)] = float("nan")
-    y = op([v], [poisoned], [t], "abs", [None], [None], 2)
+    y = op([v], [poisoned], [None], [t], "abs", [None], [None], 2)
     torch.testing.assert_close(y.double(), _reference(w, v, t, "abs", None, None), atol=1e-4, rtol=1e-5)
     # opcheck the triton_op on a fused call: schema, autograd registration, fake. (aot_dispatch traces the
     # launches with functional tensors, which the interpreter cannot read; on CUDA it runs in full below.)
     ws, vs, ts2, ss, bs = (list(x) for x in zip(*[_case(24, 16, torch.float32, "abs_scaled", seed=s) for s in (11, 12)]))
-    torch.library.opcheck(op.default, (vs, ws, ts2, "abs_scaled", ss, bs, 2),
+    torch.library.opcheck(op.default, (vs, ws, [None, None], ts2, "abs_scaled", ss, bs, 2),
                           test_utils=("test_schema", "test_autograd_registration", "test_faketensor"))
     # the rank adapters' codes: up to three dense row-major GEMVs in one launch (odd shapes, K not a
     # multiple of the block, several blocks of rows), as a function and as the registered op
@@ -165,7 +165,7 @@ def test_triton_kernel_under_interpreter(tmp_path):
 def test_opcheck_triton_op_cuda(dtype):
     groups = [_case(64, n, dtype, "abs", seed=s) for s, n in ((1, 96), (2, 32), (3, 32))]
     ws, vs, ts, ss, bs = (list(x) for x in zip(*groups))
-    args = ([v.cuda() for v in vs], [w.cuda() for w in ws], [t.cuda() for t in ts], "abs", ss,
+    args = ([v.cuda() for v in vs], [w.cuda() for w in ws], [None] * len(ws), [t.cuda() for t in ts], "abs", ss,
             [b.cuda() for b in bs], 2)
     torch.library.opcheck(torch.ops.rana.masked_gemv_triton.default, args)
     flat = torch.ops.rana.masked_gemv_triton(*args)
@@ -238,8 +238,11 @@ def test_exported_model_compiles_in_fresh_process(tmp_path):
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-6000:]
     result = json.loads(result.read_text())
     assert result["seen"] == ["rana.masked_gemv", "rana.masked_gemv_grouped"]
-    # gate/up rank adapters decode as one group in the exported model too (linked by its shipped spec)
-    assert result["linked"] == [f"model.layers.{i}.mlp.{p}" for i in range(2) for p in ("gate_proj", "up_proj")]
+    # gate/up rank adapters decode as one group in the exported model too (linked by its shipped spec), and the
+    # q/k/v slices in their shared code's group
+    assert result["linked"] == [f"model.layers.{i}.{p}" for i in range(2)
+                                for p in ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "mlp.gate_proj",
+                                          "mlp.up_proj")]
 
 
 def test_relink_after_deepcopy():

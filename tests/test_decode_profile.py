@@ -5,7 +5,8 @@ from __future__ import annotations
 import torch
 import torch.nn as nn
 
-from rana.kernels import ops
+from rana.kernels import ops, route
+from rana.kernels.weights import FloatWeight
 from rana.modules import groups
 from rana.modules.groups import DecodeGroup
 from rana.modules.int8 import Int8Linear
@@ -84,9 +85,13 @@ def _siblings(kind="input_sparse", n_out=(48, 16, 16), k=32, seed=0, int8=False)
 
 def _count_grouped(monkeypatch):
     calls = {"fp32": [], "int8": []}
-    real, real_i8 = groups.decode_masked_grouped, groups.decode_int8_grouped
-    monkeypatch.setattr(groups, "decode_masked_grouped", lambda vs, *a: calls["fp32"].append(len(vs)) or real(vs, *a))
-    monkeypatch.setattr(groups, "decode_int8_grouped", lambda vs, *a: calls["int8"].append(len(vs)) or real_i8(vs, *a))
+    real = groups.decode_masked_grouped
+
+    def counting(ws, *a):
+        calls["int8" if ws[0].format == "int8" else "fp32"].append(len(ws))
+        return real(ws, *a)
+
+    monkeypatch.setattr(groups, "decode_masked_grouped", counting)
     return calls
 
 
@@ -97,7 +102,7 @@ def test_groups_step_aside_eagerly_on_cpu(monkeypatch):
     with torch.no_grad():
         single = [m(x) for m in mods]
         DecodeGroup(mods)
-        assert not groups.GROUP_EAGER_CPU and ops.eager_cpu(x)
+        assert not groups.GROUP_EAGER_CPU and route.eager_cpu(x)
         grouped = [m(x) for m in mods]
     assert calls == {"fp32": [], "int8": []}  # each member its own native call
     for a, b in zip(grouped, single):
@@ -141,13 +146,15 @@ def test_int8_beside_full_precision_siblings_decode_on_their_own(monkeypatch):
         torch.testing.assert_close(a, b, rtol=0, atol=0)
 
 
-def test_decode_masked_linear_matches_decode_masked():
+def test_bound_call_matches_the_op_implementation():
+    """A module's operand (its native call bound once) and the registered op's implementation (bound for one
+    call) give the same bits."""
     g = torch.Generator().manual_seed(12)
     w = torch.randn(40, 24, generator=g).t().contiguous().t()  # column-major, as the adapters store it
     x = torch.randn(1, 1, 24, generator=g)
     t = torch.tensor(0.7)
     for mode in ("abs", "square", "abs_scaled"):
         scale = torch.rand(24, generator=g) if mode == "abs_scaled" else None
-        a = ops.decode_masked_linear(w, x, t, mode, scale, None)
-        b = ops.decode_masked(w.t(), x, t, mode, scale, None)
+        a = route.decode_masked(FloatWeight(w), x, t, mode, scale)
+        b = ops.masked_gemv_impl(w.t(), None, x, t, mode, scale, None)
         torch.testing.assert_close(a, b, rtol=0, atol=0)

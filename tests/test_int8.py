@@ -19,7 +19,7 @@ from helpers import exported_logits, tiny_calibration, tiny_compress_config, tin
 from rana.cli.app import app
 from rana.compress import CompressConfig, compress_model
 from rana.export import export
-from rana.kernels.masked_gemv import masked_gemv_int8_dense, masked_gemv_int8_torch
+from rana.kernels.torch_gemv import masked_gemv_int8_dense, masked_gemv_int8_torch
 from rana.math.quantize import dequantize_int8, quantize_int8, relative_output_error, row_errors
 from rana.modules.int8 import Int8Linear
 from rana.modules.neuron_linear import Int8InputSparseHead

@@ -1,4 +1,4 @@
-"""Masked GEMV kernels: Triton (interpreter on CPU), torch fast path, dense path, dispatcher.
+"""Masked GEMV kernels: Triton (interpreter on CPU), torch fast path, dense path, the decode route.
 
 Every result is checked against an independent float64 computation written here (explicit
 active-index sum), with thresholds placed midway between two sorted scores so the number of
@@ -15,8 +15,12 @@ from pathlib import Path
 import pytest
 import torch
 
+import gemv_dispatch as dispatch
 from rana.kernels import cpu_gemv as cg
-from rana.kernels import masked_gemv as mg
+from rana.kernels import route
+from rana.kernels import torch_gemv as mg
+from rana.kernels import triton_gemv as tg
+from rana.kernels.weights import FloatWeight
 
 KERNEL_FILE = Path(mg.__file__).resolve()
 MODES = ["square", "abs_scaled", "abs"]
@@ -84,7 +88,7 @@ def _problem(K, N, dtype, mode, frac, *, bias=True, seed=0, lead=(1,)):
 # Triton under the interpreter (or a real GPU when TRITON_INTERPRET is off and CUDA exists)
 # --------------------------------------------------------------------------------------------
 def _triton_device() -> str:
-    if not mg.triton_available():
+    if not tg.triton_available():
         pytest.skip("triton is not installed")
     if os.environ.get("TRITON_INTERPRET") == "1":
         return "cpu"
@@ -98,7 +102,7 @@ def triton_device():
     dev = _triton_device()
     try:  # one tiny call: skip cleanly if this triton cannot interpret/compile the kernel
         w = torch.ones(4, 4, device=dev)
-        y = mg.masked_gemv_triton(w, torch.ones(4, device=dev), None, mode="abs")
+        y = dispatch.masked_gemv_triton(w, torch.ones(4, device=dev), None, mode="abs")
     except Exception as e:  # pragma: no cover - depends on the triton build
         pytest.skip(f"triton kernel cannot run here: {type(e).__name__}: {e}")
     assert torch.allclose(y.cpu(), torch.full((4,), 4.0))
@@ -119,7 +123,7 @@ def test_triton_matches_fp32(triton_device, K, N, mode):
     assert (exp - dense).abs().max() > 1e-2  # the mask really changes the result
     dw, dv, ds, db = _on(triton_device, w_t, v, scale, b)
     for thr in (t, torch.tensor(t, device=triton_device)):  # python float and device tensor
-        y = mg.masked_gemv_triton(dw, dv, thr, mode=mode, scale=ds, bias=db)
+        y = dispatch.masked_gemv_triton(dw, dv, thr, mode=mode, scale=ds, bias=db)
         _assert_close(y.cpu(), exp, torch.float32)
 
 
@@ -130,7 +134,7 @@ def test_triton_matches_half(triton_device, dtype, mode):
     w_t, v, t, scale, b = _problem(K, N, dtype, mode, 0.4, seed=3)
     exp = _expected(w_t, v, t, mode, scale, b)
     dw, dv, ds, db = _on(triton_device, w_t, v, scale, b)
-    y = mg.masked_gemv_triton(dw, dv, torch.tensor(t, device=triton_device), mode=mode, scale=ds, bias=db)
+    y = dispatch.masked_gemv_triton(dw, dv, torch.tensor(t, device=triton_device), mode=mode, scale=ds, bias=db)
     _assert_close(y.cpu(), exp, dtype)
 
 
@@ -140,13 +144,13 @@ def test_triton_empty_and_full_mask(triton_device, dtype):
     w_t, v, _, scale, b = _problem(K, N, dtype, "abs_scaled", 0.5, seed=5)
     dw, dv, ds, db = _on(triton_device, w_t, v, scale, b)
     for mode in MODES:
-        y = mg.masked_gemv_triton(dw, dv, 1e30, mode=mode, scale=ds, bias=db)
+        y = dispatch.masked_gemv_triton(dw, dv, 1e30, mode=mode, scale=ds, bias=db)
         assert torch.equal(y.cpu().reshape(N), b)  # nothing active: bias only
-        y = mg.masked_gemv_triton(dw, dv, torch.tensor(1e30, device=triton_device), mode=mode, scale=ds)
+        y = dispatch.masked_gemv_triton(dw, dv, torch.tensor(1e30, device=triton_device), mode=mode, scale=ds)
         assert torch.equal(y.cpu(), torch.zeros(1, N, dtype=dtype))
         dense = _expected(w_t, v, None, mode, scale, b)
         for t in (None, -math.inf, torch.tensor(-math.inf, device=triton_device)):
-            _assert_close(mg.masked_gemv_triton(dw, dv, t, mode=mode, scale=ds, bias=db).cpu(), dense, dtype)
+            _assert_close(dispatch.masked_gemv_triton(dw, dv, t, mode=mode, scale=ds, bias=db).cpu(), dense, dtype)
 
 
 def test_triton_never_reads_inactive_rows(triton_device):
@@ -155,7 +159,7 @@ def test_triton_never_reads_inactive_rows(triton_device):
     inactive = v.reshape(K).abs() < t
     poisoned = w_t.clone()
     poisoned[inactive] = float("nan")
-    y = mg.masked_gemv_triton(poisoned.to(triton_device), v.to(triton_device), t, mode="abs").cpu()
+    y = dispatch.masked_gemv_triton(poisoned.to(triton_device), v.to(triton_device), t, mode="abs").cpu()
     assert torch.isfinite(y).all()
     _assert_close(y, _expected(w_t, v, t, "abs"), torch.float32)
 
@@ -163,7 +167,7 @@ def test_triton_never_reads_inactive_rows(triton_device):
 @pytest.mark.parametrize("lead", [(), (1,), (1, 1)])
 def test_triton_leading_shapes(triton_device, lead):
     w_t, v, t, _, _ = _problem(64, 48, torch.float32, "square", 0.5, bias=False, seed=9, lead=lead)
-    y = mg.masked_gemv_triton(w_t.to(triton_device), v.to(triton_device), t, mode="square").cpu()
+    y = dispatch.masked_gemv_triton(w_t.to(triton_device), v.to(triton_device), t, mode="square").cpu()
     assert y.shape == (*lead, 48)
     _assert_close(y, _expected(w_t, v, t, "square"), torch.float32)
 
@@ -171,7 +175,7 @@ def test_triton_leading_shapes(triton_device, lead):
 def test_triton_rejects_several_tokens(triton_device):
     w = torch.ones(8, 4, device=triton_device)
     with pytest.raises(ValueError):
-        mg.masked_gemv_triton(w, torch.ones(2, 8, device=triton_device), 0.0, mode="abs")
+        dispatch.masked_gemv_triton(w, torch.ones(2, 8, device=triton_device), 0.0, mode="abs")
 
 
 # --------------------------------------------------------------------------------------------
@@ -187,7 +191,7 @@ def test_reference_and_torch_paths(dtype, mode, frac, native, monkeypatch):
     K, N = 200, 130
     w_t, v, t, scale, b = _problem(K, N, dtype, mode, frac, seed=11)
     exp = _expected(w_t, v, t, mode, scale, b)
-    for fn in (mg.masked_gemv_reference, mg.masked_gemv_torch, mg.masked_gemv_dense, mg.masked_gemv):
+    for fn in (mg.masked_gemv_reference, mg.masked_gemv_torch, mg.masked_gemv_dense, dispatch.masked_gemv):
         for thr in (t, torch.tensor(t)):
             _assert_close(fn(w_t, v, thr, mode=mode, scale=scale, bias=b), exp, dtype)
 
@@ -226,7 +230,7 @@ def test_shapes_and_batch_path(lead, mode):
     K, N = 90, 50
     w_t, v, t, scale, b = _problem(K, N, torch.float32, mode, 0.35, seed=19, lead=lead)
     exp = _expected(w_t, v, t, mode, scale, b)
-    for fn in (mg.masked_gemv, mg.masked_gemv_dense, mg.masked_gemv_torch, mg.masked_gemv_reference):
+    for fn in (dispatch.masked_gemv, mg.masked_gemv_dense, mg.masked_gemv_torch, mg.masked_gemv_reference):
         y = fn(w_t, v, torch.tensor(t), mode=mode, scale=scale, bias=b)
         assert y.shape == (*lead, N)
         _assert_close(y, exp, torch.float32)
@@ -236,7 +240,7 @@ def test_empty_and_full_mask_torch():
     K, N = 128, 40
     for dtype in DTYPES:
         w_t, v, _, scale, b = _problem(K, N, dtype, "abs_scaled", 0.5, seed=23)
-        for fn in (mg.masked_gemv, mg.masked_gemv_torch, mg.masked_gemv_dense, mg.masked_gemv_reference):
+        for fn in (dispatch.masked_gemv, mg.masked_gemv_torch, mg.masked_gemv_dense, mg.masked_gemv_reference):
             for mode in MODES:
                 assert torch.equal(fn(w_t, v, 1e30, mode=mode, scale=scale, bias=b).reshape(N), b)
                 assert torch.equal(fn(w_t, v, torch.tensor(1e30), mode=mode, scale=scale),
@@ -249,18 +253,19 @@ def test_empty_and_full_mask_torch():
 def test_argument_errors():
     w, v = torch.ones(8, 4), torch.ones(8)
     with pytest.raises(ValueError):
-        mg.masked_gemv(w, v, 0.0, mode="relu")
+        dispatch.masked_gemv(w, v, 0.0, mode="relu")
     with pytest.raises(ValueError):
-        mg.masked_gemv(w, v, 0.0, mode="abs_scaled")  # scale missing
+        dispatch.masked_gemv(w, v, 0.0, mode="abs_scaled")  # scale missing
     with pytest.raises(ValueError):
-        mg.masked_gemv(w, torch.ones(7), 0.0, mode="abs")
+        dispatch.masked_gemv(w, torch.ones(7), 0.0, mode="abs")
 
 
 # --------------------------------------------------------------------------------------------
-# dispatcher
+# the decode route
 # --------------------------------------------------------------------------------------------
-def test_dispatcher_routes_cpu(monkeypatch):
-    """One CPU token: the native kernel first (torch gather when it declines); several: dense."""
+def test_route_serves_cpu_tokens_by_backend(monkeypatch):
+    """One CPU token: the native kernel first for fp32 weights (the torch gather when it declines), the gather
+    for bf16 weights (their backend is torch); several tokens: dense. No Triton for CPU tensors."""
     calls = []
 
     def spy(name, fn):
@@ -272,21 +277,30 @@ def test_dispatcher_routes_cpu(monkeypatch):
     def no_triton(*a, **k):
         raise AssertionError("triton path used for CPU tensors")
 
-    monkeypatch.setattr(mg, "masked_gemv_triton", no_triton)
-    monkeypatch.setattr(mg, "masked_gemv_native", spy("native", mg.masked_gemv_native))
-    monkeypatch.setattr(mg, "masked_gemv_gather", spy("gather", mg.masked_gemv_gather))
-    monkeypatch.setattr(mg, "masked_gemv_dense", spy("dense", mg.masked_gemv_dense))
+    monkeypatch.setattr(route, "grouped_masked_gemv_triton", no_triton)
+    monkeypatch.setattr(cg.NativeCall, "__call__", spy("native", cg.NativeCall.__call__))
+    monkeypatch.setattr(route, "masked_gemv_gather", spy("gather", mg.masked_gemv_gather))
+    monkeypatch.setattr(route, "masked_gemv_dense", spy("dense", mg.masked_gemv_dense))
     w_t = torch.randn(32, 16)
     native = cg.native_kernel() is not None
+    t = torch.tensor(0.5)
     for shape in [(32,), (1, 32), (1, 1, 32)]:
+        w = FloatWeight(w_t.t())
+        assert w.backend == ("native" if native else "torch")
         calls.clear()
-        mg.masked_gemv(w_t, torch.randn(shape), 0.5, mode="abs")
-        assert calls == (["native"] if native else ["native", "gather"])
+        route.decode_masked(w, torch.randn(shape), t, "abs")
+        assert calls == (["native"] if native else ["gather"])
         calls.clear()
-        mg.masked_gemv(w_t.bfloat16(), torch.randn(shape).bfloat16(), 0.5, mode="abs")
-        assert calls == ["native", "gather"]  # the native kernel is fp32 only
+        w16 = FloatWeight(w_t.bfloat16().t())
+        assert w16.backend == "torch"  # the native kernel is fp32 only
+        route.decode_masked(w16, torch.randn(shape).bfloat16(), t, "abs")
+        assert calls == ["gather"]
+        if native:
+            calls.clear()
+            route.decode_masked(w, torch.randn(shape).bfloat16(), t, "abs")  # a token the kernel declines
+            assert calls == ["native", "gather"]
     calls.clear()
-    mg.masked_gemv(w_t, torch.randn(2, 3, 32), 0.5, mode="abs")
+    route.decode_masked(FloatWeight(w_t.t()), torch.randn(2, 3, 32), t, "abs")
     assert calls == ["dense"]
 
 
@@ -298,31 +312,36 @@ def test_imports_and_runs_without_triton(tmp_path):
     flat = tmp_path / "flatpkg"
     flat.mkdir()
     (flat / "__init__.py").write_text("")
-    for name in ("masked_gemv.py", "cpu_gemv.py", "triton_gemv.py"):
-        (flat / name).write_text((KERNEL_FILE.parent / name).read_text())
+    for path in KERNEL_FILE.parent.iterdir():
+        if path.suffix in (".py", ".c", ".h", ".json") and path.name != "__init__.py":
+            (flat / path.name).write_text(path.read_text())
     code = f"""
 import importlib, sys
 sys.modules["triton"] = None              # `import triton` now raises ImportError
 sys.modules["triton.language"] = None
 sys.path.insert(0, {str(tmp_path)!r})
 import torch
-m = importlib.import_module("flatpkg.masked_gemv")
-assert not m.triton_available()
+route = importlib.import_module("flatpkg.route")
+weights = importlib.import_module("flatpkg.weights")
+tgk = importlib.import_module("flatpkg.triton_gemv")
+assert not tgk.triton_available() and not tgk.kernels_available()
 assert not any(k == "rana" or k.startswith("rana.") for k in sys.modules), "imports rana"
 torch.manual_seed(0)
 w, v = torch.randn(64, 24), torch.randn(1, 1, 64)
 t = torch.tensor(0.6)
-y = m.masked_gemv(w, v, t, mode="abs", bias=torch.ones(24))
+operand = weights.FloatWeight(w.t(), torch.ones(24))
+assert operand.backend in ("native", "torch"), operand.backend
+y = route.decode_masked(operand, v, t, "abs")
 keep = (v.abs() >= 0.6).double()
 exp = (v.double() * keep) @ w.double() + 1
 assert y.shape == (1, 1, 24), y.shape
 assert (y.double() - exp).abs().max() < 1e-4, (y, exp)
 try:
-    m.masked_gemv_triton(w, v, t, mode="abs")
+    tgk.grouped_masked_gemv_triton([v], [w], [t], "abs", [None], [None])
 except RuntimeError:
     pass
 else:
-    raise AssertionError("masked_gemv_triton ran without triton")
+    raise AssertionError("the Triton kernel ran without triton")
 print("OK")
 """
     env = {k: val for k, val in os.environ.items() if k != "PYTHONPATH"}
@@ -339,8 +358,8 @@ def test_non_contiguous_weight_is_still_correct(request):
     w_view = w_t.t().contiguous().t()  # same values, strides (1, K)
     assert not w_view.is_contiguous()
     exp = _expected(w_t, v, t, "abs_scaled", scale, b)
-    for fn in (mg.masked_gemv, mg.masked_gemv_torch, mg.masked_gemv_dense):
+    for fn in (dispatch.masked_gemv, mg.masked_gemv_torch, mg.masked_gemv_dense):
         _assert_close(fn(w_view, v, t, mode="abs_scaled", scale=scale, bias=b), exp, torch.float32)
     dev = request.getfixturevalue("triton_device")  # skips here if triton cannot run
-    y = mg.masked_gemv_triton(w_view.to(dev), v.to(dev), t, mode="abs_scaled", scale=scale.to(dev), bias=b.to(dev))
+    y = dispatch.masked_gemv_triton(w_view.to(dev), v.to(dev), t, mode="abs_scaled", scale=scale.to(dev), bias=b.to(dev))
     _assert_close(y.cpu(), exp, torch.float32)

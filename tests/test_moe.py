@@ -19,8 +19,9 @@ from rana.accounting import layer_dims
 from rana.archs import UnsupportedArchitectureError, decoder_layers, get_arch, supported_model_types
 from rana.compress import compress_model
 from rana.io import save
-from rana.kernels.masked_gemv import expert_masked_gemv_gather, expert_masked_gemv_reference
-from rana.kernels.ops import decode_expert_masked
+from rana.kernels.route import decode_expert_masked
+from rana.kernels.torch_gemv import expert_masked_gemv_gather, expert_masked_gemv_reference
+from rana.kernels.weights import FloatWeight
 from rana.math.moe import per_expert_thresholds, routed_tokens, split_candidates
 from rana.methods import moe, names, unsupported_reason
 from rana.modules import InputSparseExperts
@@ -32,6 +33,11 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 MOE = [t for t in supported_model_types() if get_arch(t).moe]  # every registered mixture of experts
 CAPABLE = {"rana", "teal", "rana-dense-head", "rana-heads"}  # magnitude input sparsity per expert
 IDS = torch.randint(0, 128, (2, 24), generator=torch.Generator().manual_seed(3))
+
+
+def _route_expert(w_t, v, idx, thr):
+    """The decode route's expert entry point with the stacked (E, K, N) weights as an operand (E, N, K)."""
+    return decode_expert_masked(FloatWeight(w_t.transpose(1, 2)), v, idx, thr)
 
 
 def _logits(model):
@@ -185,7 +191,7 @@ def test_expert_indexed_gemv_matches_the_reference_and_decoding():
     idx, thr = torch.tensor([5, 0, 5]), torch.rand(8, generator=g)
     ref = expert_masked_gemv_reference(w_t, v, idx, thr)
     torch.testing.assert_close(expert_masked_gemv_gather(w_t, v, idx, thr), ref, atol=1e-5, rtol=1e-5)
-    torch.testing.assert_close(decode_expert_masked(w_t, v, idx, thr), ref, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(_route_expert(w_t, v, idx, thr), ref, atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(torch.ops.rana.expert_masked_gemv(w_t, v, idx, thr), ref, atol=1e-5, rtol=1e-5)
     # the adapter: one token's decode path = its several-token path on that token
     m = InputSparseExperts(torch.randn(8, 64, 16, generator=g), torch.randn(8, 16, 32, generator=g), "silu",
@@ -315,8 +321,8 @@ def test_moe_decode_takes_the_expert_kernel_under_the_interpreter(tmp_path):
         def counting(*a, **k):
             calls.append(1)
             return original(*a, **k)
-        import rana.kernels.ops as ops
-        ops.expert_masked_gemv_triton = counting
+        import rana.kernels.route as route
+        route.expert_masked_gemv_triton = counting
         model, _ = rana.io.load({str(tmp_path / 'm')!r})
         ids = torch.tensor([[1, 5, 9, 2]])
         with torch.no_grad():
@@ -353,7 +359,7 @@ def test_expert_indexed_native_kernel(threads):
             got = cg.expert_masked_gemv_native(w_t, v, idx, thr)
             torch.testing.assert_close(got, ref, atol=1e-5, rtol=1e-5)
             assert got[3].abs().max() == 0
-            torch.testing.assert_close(decode_expert_masked(w_t, v, idx, thr), ref, atol=1e-5, rtol=1e-5)
+            torch.testing.assert_close(_route_expert(w_t, v, idx, thr), ref, atol=1e-5, rtol=1e-5)
     finally:
         torch.set_num_threads(old)
     # what it does not take goes to the torch paths (same results)

@@ -189,14 +189,14 @@ __attribute__((constructor)) static void planted(void) {
     FILE* f = fopen("%s", "w");
     if (f) { fputs("planted code ran", f); fclose(f); }
 }
-long rana_masked_gemv_f32(void) { return 0; }
+long rana_masked_gemv(void) { return 0; }
 """
 
 _PROBE = textwrap.dedent("""
-    import importlib.util, sys
-    spec = importlib.util.spec_from_file_location("cpu_gemv", sys.argv[1])
-    cg = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(cg)
+    import importlib, pathlib, sys
+    module_file = pathlib.Path(sys.argv[1])  # the kernel file inside its package (kernels/, an export's folder)
+    sys.path.insert(0, str(module_file.parent.parent))
+    cg = importlib.import_module(f"{module_file.parent.name}.{module_file.stem}")
     print(cg.native_status())
     print("native" if cg.native_kernel() is not None else "none")
 """)
@@ -303,14 +303,19 @@ def test_cache_is_created_private(tmp_path):
 
 @needs_cc
 def test_exported_kernel_copy_follows_the_same_rules(tmp_path):
-    """The export ships cpu_gemv.py flat: it imports nothing from rana and refuses the same plant."""
+    """The export ships cpu_gemv.py flat (its C source inlined, modes.py beside it): it imports nothing from rana
+    and refuses the same plant."""
     from rana.export import SHIPPED_MODULES, module_source, rewrite_imports
+    from rana.export.render import inline_c_source
 
-    source = rewrite_imports("rana.kernels.cpu_gemv", module_source("rana.kernels.cpu_gemv"), SHIPPED_MODULES)
+    source = inline_c_source(rewrite_imports("rana.kernels.cpu_gemv", module_source("rana.kernels.cpu_gemv"),
+                                              SHIPPED_MODULES))
     assert "rana" not in "".join(line for line in source.splitlines() if line.lstrip().startswith(("import", "from")))
     shipped = tmp_path / "export" / "cpu_gemv.py"
     shipped.parent.mkdir()
     shipped.write_text(source)
+    (shipped.parent / "__init__.py").write_text("")
+    (shipped.parent / "modes.py").write_text(module_source("rana.kernels.modes"))
     marker = tmp_path / "ran.txt"
     cache = tmp_path / "cache"
     _plant(cache, marker, tmp_path, sidecar="")

@@ -24,7 +24,7 @@ from transformers import CompileConfig, GenerationConfig
 
 from ..errors import UserError
 from ..kernels.cpu_gemv import native_status
-from ..kernels.masked_gemv import triton_available
+from ..kernels.triton_gemv import triton_available
 from .common import eval_mode, model_device
 from .decode_step import StepRunner, cache_keyword, compile_kwargs, new_cache
 

@@ -4,9 +4,10 @@ What ships (`SHIPPED_MODULES`) is derived, not listed: the modules of the regist
 (rana.modules.registry) and the rana.modules files the template imports (``rebuild.py``, ``groups.py``),
 plus everything they import of rana (the masked-GEMV kernels, LAuReL, ...), so a new adapter module
 ships by registering. They are copied flat with their imports of one another rewritten to flat
-relative imports (``from ..kernels.masked_gemv import`` → ``from .masked_gemv import``, ``from
+relative imports (``from ..kernels.route import`` → ``from .route import``, ``from
 rana.archs import`` → ``from .archspec import``); ``archspec.py`` is ``rana.archs.base`` plus this
-model's spec; ``configuration_rana.py`` and ``modeling_rana.py`` are rendered from ``template/``
+model's spec; the kernels' data files are inlined (the GEMV tuning table into ``triton_gemv.py``, the C
+source into ``cpu_gemv.py``: transformers copies only the .py files of remote code); ``configuration_rana.py`` and ``modeling_rana.py`` are rendered from ``template/``
 (the latter importing every adapter module, so that its kinds register). `check_sources` then proves with ast and
 symtable what transformers' remote-code loader needs: every file imports only the standard
 library, torch, transformers and the other shipped files (anything else only inside ``try``,
@@ -112,7 +113,7 @@ def _resolve(module_name: str, node: ast.ImportFrom) -> str | None:
 def rewrite_imports(module_name: str, source: str, targets: dict[str, str]) -> str:
     """Rewrite imports of other shipped rana modules into flat relative imports.
 
-    `from ..kernels.masked_gemv import masked_gemv` → `from .masked_gemv import masked_gemv`;
+    `from ..kernels.route import decode_masked` → `from .route import decode_masked`;
     imports of rana modules that are not shipped raise ExportError.
     """
     tree = ast.parse(source)
@@ -192,12 +193,20 @@ def _adapter_module_imports(shipped: dict[str, str]) -> str:
     return "\n".join(["# the adapter modules: importing one registers its adapter kinds (registry.py)", *lines])
 
 
-def _inline_gemv_table(source: str) -> str:
+def inline_gemv_table(source: str) -> str:
     """The masked-GEMV kernel with its tuning table inlined (remote code ships .py files only)."""
     from ..kernels import triton_gemv
 
     table = triton_gemv.read_table()  # a Python literal (JSON's true/null are not Python)
     return _replace_marker(source, "shipped-gemv-table", f"SHIPPED_TABLE: dict | None = {table!r}")
+
+
+def inline_c_source(source: str) -> str:
+    """The native CPU kernel's loader with its C source inlined (remote code ships .py files only); the text is
+    the one rana compiles, so an export and rana share the cached library."""
+    from ..kernels import cpu_gemv
+
+    return _replace_marker(source, "shipped-c-source", f"SHIPPED_SOURCE: str | None = {cpu_gemv.source()!r}")
 
 
 def render_sources(config, model_cls: type) -> dict[str, str]:
@@ -210,7 +219,8 @@ def render_sources(config, model_cls: type) -> dict[str, str]:
     shipped = shipped_modules()
     targets = {**shipped, **_IMPORT_ALIASES}
     files = {f"{short}.py": rewrite_imports(name, module_source(name), targets) for name, short in shipped.items()}
-    files["triton_gemv.py"] = _inline_gemv_table(files["triton_gemv.py"])
+    files["triton_gemv.py"] = inline_gemv_table(files["triton_gemv.py"])
+    files["cpu_gemv.py"] = inline_c_source(files["cpu_gemv.py"])
     files[f"{ARCHSPEC_MODULE}.py"] = _render_archspec(spec, shipped)
 
     cfg = (TEMPLATE_DIR / CONFIG_FILE).read_text(encoding="utf-8")

@@ -40,11 +40,11 @@ Both formats hold
   ``rana/export/template/``) and *copies of the rana sources themselves* — the module of every
   registered adapter kind and what it imports (``registry.py``, ``rebuild.py``, ``common.py``, ``int8.py``,
   ``groups.py``, ``errors.py``, …: `rana.export.render` derives the list), the masked-GEMV kernels
-  (``masked_gemv.py``, ``triton_gemv.py`` (triton imported lazily and optionally), ``ops.py`` (the
-  torch.library ops the modules decode through) and ``cpu_gemv.py`` with the native CPU kernel's C
-  source), LAuReL (``laurel.py``) and the architecture spec (``archspec.py``: the ``ArchSpec``
+  (``route.py`` the modules decode through, ``weights.py``, ``modes.py``, ``torch_gemv.py``,
+  ``triton_gemv.py`` (triton imported lazily and optionally), ``ops.py`` (the torch.library ops a traced
+  step calls) and ``cpu_gemv.py`` with the native CPU kernel's C source inlined), LAuReL (``laurel.py``) and the architecture spec (``archspec.py``: the ``ArchSpec``
   machinery of ``rana.archs.base`` plus this model's spec) — with their imports of one another
-  rewritten to flat relative imports (``from ..kernels.masked_gemv import`` → ``from .masked_gemv
+  rewritten to flat relative imports (``from ..kernels.route import`` → ``from .route
   import``, ``from rana.archs import`` → ``from .archspec import``), so the same code ships. Every
   shipped file is checked at export time: it may import only the standard library, torch,
   transformers and the other shipped files (anything else only inside ``try``, e.g. triton): see

@@ -19,9 +19,10 @@ calibrated clipping is kept; a fresh clip search would need the calibration H of
 inputs, which a fine-tuning run does not collect. The error of the merged weight is then at most half a
 step per weight, `s'_n / 2`.
 
-Wrapped layers never reach the decode kernels with their base weight alone: `decode_linear` and the
-grouped decode paths take only an unwrapped `nn.Linear` / `Int8Linear` (`type(...) is`), and the base
-layer's own one-token kernel path only computes the base output that the LoRA term is added to.
+Wrapped layers never reach the decode kernels with their base weight alone: an adapter decodes only through
+the operand of an unwrapped `nn.Linear` / `Int8Linear` (rana.modules.operands registers those types exactly;
+a peft wrapper has none), and the base layer's own one-token kernel path only computes the base output that
+the LoRA term is added to.
 """
 from __future__ import annotations
 

@@ -1,4 +1,5 @@
-"""Pieces shared by every adapter module: column-major linears, the one-token decode gate and the MAC meter."""
+"""Pieces shared by every adapter module: column-major linears, the one-token decode gate, the sibling cache
+and the MAC meter."""
 from __future__ import annotations
 
 import torch
@@ -6,8 +7,10 @@ import torch.nn as nn
 
 # rana.kernels is the repository's top-level kernels/ folder, installed inside the package
 # (pyproject.toml package-dir); exports ship both folders' files flat beside each other
-from ..kernels.ops import DEFAULT_SPARSITY_BIN, decode_masked_linear, sparsity_bin
-from .int8 import Int8Linear, decode_int8
+from ..kernels.route import DEFAULT_SPARSITY_BIN, decode_masked, sparsity_bin
+from ..kernels.weights import Weight
+from .int8 import Int8Linear
+from .operands import drop_operands, layer_weight
 
 
 def column_major_linear(weight: torch.Tensor, bias: torch.Tensor | None = None) -> nn.Linear:
@@ -44,6 +47,7 @@ def restore_layouts(module: nn.Module) -> None:
     row-major, int8 codes row-major, and stacked expert weights (its own 3-D [E, out, in] parameters)
     input-major. (A loader or a LoRA merge may hand back either.) An input-sparse LM head's own weight
     is left to its kind's `restore`, which knows whether it is tied (`InputSparseHead.column_major_`)."""
+    drop_operands(module)  # its layers' tensors were replaced: their operands are made anew
     row_major = getattr(module, "row_major_children", ())
     children = module._modules
     for name in module.linear_children:
@@ -75,11 +79,13 @@ def _input_major_stacks(module: nn.Module) -> None:
 class MaskedDecode:
     """The decode gate every masked adapter shares, written once.
 
-    In eval mode with its meter off, one token goes through the adapter's sibling group (one grouped
-    launch, `rana.modules.groups`) or the masked-GEMV kernels (`decode_linear`), with the kind's own
-    mask mode (`decode_mode`, declared once per class); training, metering, several tokens, gradients
-    and a peft-wrapped child take the module's torch path (the calls return None). A module whose meter
-    lives elsewhere (a q/k/v slice: its shared code's) passes it as `meter`.
+    In eval mode with its meter off, one token without gradients goes through the adapter's sibling group (one
+    grouped launch, `rana.modules.groups`) or the decode route (rana.kernels.route) with the operand of the
+    layer it masks (`decode_weight`: kept on the module, rana.modules.operands) and the kind's own mask mode
+    (`decode_mode`, declared once per class); training, metering, several tokens, gradients and a peft-wrapped
+    child take the module's torch path (the calls return None). A module whose meter lives elsewhere (a q/k/v
+    slice: its shared code's) passes it as `meter`. Moving the module (`.to()`) drops its operands, so their
+    backend is chosen again for where the tensors now are.
     """
 
     decode_mode: str | None  # declared by every adapter kind (rana.modules.registry)
@@ -90,61 +96,77 @@ class MaskedDecode:
         """The gate: eval mode and the meter off (a metered token must run the torch path that counts it)."""
         return not self.training and not (self if meter is None else meter).meter_on
 
+    def decode_weight(self, layer: nn.Module) -> Weight | None:
+        """The operand of `layer`, the matrix this adapter's mask selects rows of (None: a peft wrapper)."""
+        return layer_weight(self, "masked", layer)
+
     # the two below run per projection per token: `decode_open` is spelled out in them (no extra call)
-    def decode_grouped(self, x: torch.Tensor) -> torch.Tensor | None:
+    def decode_grouped(self, x: torch.Tensor, meter=None) -> torch.Tensor | None:
         """This adapter's output for `x` from its sibling group's one launch, or None."""
         group = self._decode_group
-        if group is None or self.training or self.meter_on:
+        if group is None or self.training or (self if meter is None else meter).meter_on:
             return None
         return group.decode(x, self._decode_slot)
 
     def decode_masked(self, layer: nn.Module, v: torch.Tensor, threshold: torch.Tensor,
                       scale: torch.Tensor | None = None, meter=None) -> torch.Tensor | None:
-        """`layer(m ⊙ v)` for one decode token through the masked-GEMV kernels, or None (`decode_linear`)."""
+        """`layer(m ⊙ v)` for one decode token through the decode route, or None (the torch path).
+
+        None for several tokens (prefill, batch > 1: the dense masked product is faster there), for a
+        peft-wrapped layer (so LoRA is never skipped) and when gradients are wanted (the kernels have no
+        backward). Eagerly this is the native CPU kernel / Triton launch itself; under torch.compile the
+        registered ops (rana.kernels.ops), so the decode step traces without a graph break. Adapters pass
+        `self._modules[...]` / `self._buffers[...]`: this runs per projection per token, and
+        Module.__getattr__ costs ~0.6 µs. The sparsity bin (the Triton tuning key, a constant under compile)
+        is the meter's `decode_bin`."""
         meter = self if meter is None else meter
-        if self.training or meter.meter_on:
+        if self.training or meter.meter_on or v.numel() != v.shape[-1]:
             return None
-        return decode_linear(layer, v, threshold, self.decode_mode, scale, meter.decode_bin)
+        w = self.decode_weight(layer)
+        if w is None or (torch.is_grad_enabled() and (v.requires_grad or w.requires_grad)):
+            return None
+        return decode_masked(w, v, threshold, self.decode_mode, scale, meter.decode_bin)
+
+    def _apply(self, fn, recurse=True):
+        drop_operands(self)  # moved or cast: the operands' backend is chosen again
+        return super()._apply(fn, recurse)
 
 
-def decode_linear(layer: nn.Module, x: torch.Tensor, threshold: torch.Tensor, mode: str,
-                  scale: torch.Tensor | None = None, sparsity_bin: int = DEFAULT_SPARSITY_BIN) -> torch.Tensor | None:
-    """`layer(m ⊙ x)` for one decode token through the masked-GEMV ops, or None (use the torch path).
+class ByInput:
+    """A result computed once for one input tensor and handed to the `consumers` callers that share it (q/k/v,
+    gate/up, a shared rank code's slices), kept by the input's identity until the last took its own. A call
+    with another tensor starts anew: results are never mixed up, at worst computed twice."""
 
-    None for several tokens (prefill, batch > 1: the dense masked product is faster there), for a
-    peft-wrapped layer (so LoRA is never skipped) and when gradients are wanted (the ops have no
-    backward). Eagerly this is the native CPU kernel / Triton launch itself; under torch.compile the
-    registered ops (kernels/ops.py), so the decode step traces without a graph break. The adapters call
-    it through `MaskedDecode.decode_masked` (which checks training and the meter first) and pass
-    `self._modules[...]` / `self._buffers[...]`: this runs per projection per token, and
-    Module.__getattr__ costs ~0.6 µs.
-    `sparsity_bin` (a Python int: a Triton tuning key, constant under compile) is the module's
-    `decode_bin`. An Int8Linear child (int8 weights, rana.modules.int8) takes the int8 masked GEMV.
-    """
-    if type(layer) is not nn.Linear or x.numel() != x.shape[-1]:
-        if type(layer) is Int8Linear and x.numel() == x.shape[-1]:
-            bias = layer._parameters["bias"]
-            if torch.is_grad_enabled() and (x.requires_grad or (bias is not None and bias.requires_grad)):
-                return None
-            return decode_int8(layer, x, threshold, mode, scale, sparsity_bin)
-        return None
-    params = layer._parameters
-    weight = params["weight"]
-    if torch.is_grad_enabled() and (weight.requires_grad or x.requires_grad):
-        return None
-    return decode_masked_linear(weight, x, threshold, mode, scale, params["bias"], sparsity_bin)
+    __slots__ = ("_input", "_value", "_left")
 
+    def __init__(self):
+        self._input = self._value = None
+        self._left = 0
 
-def decode_weight(layer: nn.Module):
-    """A plain child's weight operand in a grouped decode launch: `w_t` (K × N) of an nn.Linear, `(q_t, qscale)`
-    of an Int8Linear (int8 codes K × N, fp32 scales), None for anything else (a peft wrapper: LoRA must run)."""
-    kind = type(layer)
-    if kind is nn.Linear:
-        return layer._parameters["weight"].t()
-    if kind is Int8Linear:
-        buffers = layer._buffers
-        return buffers["qweight"], buffers["weight_scale"]
-    return None
+    def get(self, x: torch.Tensor):
+        """The result kept for `x` (counted as taken), or None."""
+        if self._input is not x:
+            return None
+        value = self._value
+        self._left -= 1
+        if self._left <= 0:
+            self.clear()
+        return value
+
+    def put(self, x: torch.Tensor, value, consumers: int):
+        """Keep `value` for the other `consumers - 1` callers of `x`; returns it (taken once)."""
+        if consumers > 1:
+            self._input, self._value, self._left = x, value, consumers - 1
+        else:
+            self.clear()
+        return value
+
+    def clear(self) -> None:
+        self._input = self._value = None
+        self._left = 0
+
+    def __bool__(self) -> bool:
+        return self._input is not None
 
 
 class MacMeter:

@@ -11,7 +11,9 @@ same parameter names and shapes (so checkpoints keep their keys), and masks
 Both weights are stored *transposed* (``gate_up_proj.transpose(1, 2)`` is a contiguous [E, H, 2I]):
 an inactive input then skips one contiguous row of the expert's ``w_t`` (the masked-GEMV layout of
 rana.modules.common.column_major_linear, per expert). One decode token runs only its routed experts
-through rana::expert_masked_gemv, indexed into the stacked weights (no loop over experts).
+through the decode route's expert entry point (rana.kernels.route.decode_expert_masked: one native call on
+CPU, one Triton launch on CUDA, rana::expert_masked_gemv under torch.compile), indexed into the stacked weights
+(no loop over experts).
 """
 from __future__ import annotations
 
@@ -21,8 +23,10 @@ import torch.nn.functional as F
 from transformers.activations import ACT2FN
 
 from ..errors import UserError
-from ..kernels.ops import decode_expert_masked
-from .common import MacMeter, restore_layouts
+from ..kernels.route import decode_expert_masked
+from ..kernels.weights import FloatWeight
+from .common import MacMeter, MaskedDecode, restore_layouts
+from .operands import keep_operand, kept_operand
 from .registry import register_adapter
 
 # the activations MoE checkpoints use (config.hidden_act); a folder names one of these
@@ -35,7 +39,7 @@ def _input_major(weight: torch.Tensor) -> nn.Parameter:
 
 
 @register_adapter
-class InputSparseExperts(MacMeter, nn.Module):
+class InputSparseExperts(MaskedDecode, MacMeter, nn.Module):
     """Stacked experts with per-expert magnitude thresholds on their input and on their down
     projection's input (`in_threshold`, `down_threshold`: [E] float32 buffers, -inf keeps all)."""
 
@@ -79,21 +83,31 @@ class InputSparseExperts(MacMeter, nn.Module):
         restore_layouts(self)  # the stacked weights input-major
 
     def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor):
-        if (not self.training and not self.meter_on and hidden_states.shape[0] == 1
-                and not (torch.is_grad_enabled() and self.gate_up_proj.requires_grad)):
-            return self._decode(hidden_states, top_k_index, top_k_weights)
+        if hidden_states.shape[0] == 1 and self.decode_open():
+            weights = self.decode_weights()
+            if not (torch.is_grad_enabled() and (hidden_states.requires_grad or any(w.requires_grad for w in weights))):
+                return self._decode(weights, hidden_states, top_k_index, top_k_weights)
         return self._routed(hidden_states, top_k_index, top_k_weights)
 
-    def _decode(self, x: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor) -> torch.Tensor:
+    def decode_weights(self) -> tuple[FloatWeight, FloatWeight]:
+        """The operands of its stacked gate/up and down weights (kept; remade when a parameter is replaced)."""
+        params = self._parameters
+        out = []
+        for name in ("gate_up_proj", "down_proj"):
+            operand = kept_operand(self, name)
+            if operand is None or operand.weight is not params[name]:
+                operand = keep_operand(self, name, FloatWeight(params[name]))
+            out.append(operand)
+        return tuple(out)
+
+    def _decode(self, weights, x: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor) -> torch.Tensor:
         """One token: its k experts through the expert-indexed masked GEMV (gate/up, then down)."""
-        params, buffers = self._parameters, self._buffers
+        buffers = self._buffers
         idx = top_k_index.reshape(-1)
         k = idx.shape[0]
-        gate_up = decode_expert_masked(params["gate_up_proj"].transpose(1, 2), x.expand(k, -1), idx,
-                                       buffers["in_threshold"])
+        gate_up = decode_expert_masked(weights[0], x.expand(k, -1), idx, buffers["in_threshold"])
         gate, up = gate_up.chunk(2, dim=-1)
-        y = decode_expert_masked(params["down_proj"].transpose(1, 2), self.act_fn(gate) * up, idx,
-                                 buffers["down_threshold"])
+        y = decode_expert_masked(weights[1], self.act_fn(gate) * up, idx, buffers["down_threshold"])
         return (y * top_k_weights.reshape(k, 1)).sum(0, keepdim=True).to(x.dtype)
 
     def _routed(self, x: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor) -> torch.Tensor:

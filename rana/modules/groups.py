@@ -1,11 +1,11 @@
 """Sibling projections that read one input (q/k/v, gate/up) decoded in one grouped masked-GEMV launch.
 
 For one decode token the first sibling called with an input `x` runs every sibling's masked GEMV in
-one `decode_masked_grouped` call (one Triton launch on CUDA: per-projection inputs, thresholds,
-scales and biases, one mask mode) and keeps the outputs, by the identity of `x`, until the last
-sibling took its own; a call with another tensor starts a new grouped call (outputs are never mixed
-up, at worst computed twice). Several tokens, training, metering, gradients or a peft-wrapped
-child (so LoRA is never skipped) send every member its own path.
+one `decode_masked_grouped` call (rana.kernels.route: one Triton launch on CUDA, per-projection inputs,
+thresholds, scales and biases, one mask mode) and keeps the outputs, by the identity of `x`, until the last
+sibling took its own (`rana.modules.common.ByInput`); a call with another tensor starts a new grouped call
+(outputs are never mixed up, at worst computed twice). Several tokens, training, metering, gradients or a
+peft-wrapped child (so LoRA is never skipped) send every member its own path.
 
 Which siblings share an input comes from the architecture (`spec.qkv_paths()`, the gate and up of
 `spec.mlp_paths()`; any object with those methods and `layers` serves, so exported models pass
@@ -13,17 +13,19 @@ their shipped spec). Only adapters whose kind declares `groupable` (rana.modules
 and only those of one mask mode (`decode_mode`): InputSparseLinear ("abs"), NeuronThresholdLinear
 ("abs_scaled"), RankAdapterLinear ("square": each member's own code `B x` is its input, the A matrices
 share the launch). A set with two modes groups each mode's members (at least two) and leaves the rest
-alone; fused projections (qkv, gate_up) need no group.
-Members whose children hold int8 weights (Int8Linear) decode in one `decode_masked_int8_grouped` call
-(one int8 Triton launch); int8 beside full-precision members decode on their own.
+alone; fused projections (qkv, gate_up) need no group. A shared rank code (rana.modules.rank_linear) groups
+its own consumers, q/k/v slices of one stacked A reading the one code `B x` it computes per input.
+Members of one format decode in one call (float, or int8: one int8 Triton launch); int8 beside
+full-precision members decode on their own.
 
-Eagerly on CPU (the native kernels) a grouped call would be a loop of single calls, so there the
+Eagerly on CPU (the native kernels, no Triton) a grouped call would be a loop of single calls, so there the
 group steps aside and each member decodes on its own (`GROUP_EAGER_CPU`); the grouping pays where
-one launch replaces several: Triton (CUDA, the interpreter) and torch.compile (one op per group).
+one launch replaces several: Triton (CUDA, the interpreter) and torch.compile (one op per group). A shared
+code's group decodes on CPU too: it computes the code once without the mask its consumers' own path would.
 
 The links are weak references (the group is no module: nothing changes in the module tree or the
-state dict), as for SharedRankCode: ``copy.deepcopy`` keeps them pointing at the originals, so a
-copy falls back to the per-projection path until :func:`relink` is called on it.
+state dict): ``copy.deepcopy`` keeps them pointing at the originals, so a copy falls back to the
+per-projection path until :func:`relink` is called on it.
 """
 from __future__ import annotations
 
@@ -32,9 +34,8 @@ import weakref
 import torch
 import torch.nn as nn
 
-from ..kernels.ops import decode_dense_grouped, decode_masked_grouped, eager_cpu, sparsity_bin, uses_triton
-from .int8 import decode_int8_grouped
-from .rank_linear import relink_shared_codes
+from ..kernels.route import decode_dense_grouped, decode_masked_grouped, eager_cpu, sparsity_bin
+from .common import ByInput
 from .registry import declared
 
 
@@ -51,70 +52,84 @@ GROUP_EAGER_CPU = False
 
 
 class DecodeGroup:
-    """Up to three same-mode adapters that are called with one input tensor, in slot order."""
+    """Up to three same-mode adapters that are called with one input tensor, in slot order. With `code` (a
+    shared rank code), its consumers: every member's input is the code `B x`, computed once per input."""
 
-    def __init__(self, members: list[nn.Module]):
+    def __init__(self, members: list[nn.Module], code: nn.Module | None = None):
         if not 2 <= len(members) <= MAX_GROUP or len({m.decode_mode for m in members}) != 1:
             raise ValueError(f"a decode group holds 2 to {MAX_GROUP} adapters of one mask mode")
         self.mode = members[0].decode_mode
         self._members = [weakref.ref(m) for m in members]
-        self._decoded: tuple | None = None
-        self.decode_bin = group_bin(members)
+        self._code = None if code is None else weakref.ref(code)
+        self._outputs = ByInput()
+        self._bin = group_bin(members) if code is None else None
         for slot, m in enumerate(members):
             m._decode_group, m._decode_slot = self, slot
 
     def members(self) -> list[nn.Module | None]:
         return [ref() for ref in self._members]
 
+    @property
+    def decode_bin(self) -> int:
+        """The launch's sparsity bin (the Triton tuning key): a shared code's own, else the members' (group_bin)."""
+        code = None if self._code is None else self._code()
+        return self._bin if code is None else code.decode_bin
+
     def decode(self, x: torch.Tensor, slot: int) -> torch.Tensor | None:
         """Output of member `slot` for one decode token, or None (the member computes its own)."""
-        cached = self._decoded
-        if cached is not None and cached[0] is x:
-            outs, left = cached[1], cached[2]
-        else:
-            if x.numel() != x.shape[-1] or (not GROUP_EAGER_CPU and eager_cpu(x)):
+        outs = self._outputs.get(x)
+        if outs is None:
+            outs = self._decode(x)
+            if outs is None:
                 return None
-            members = self.members()
-            if any(m is None or m._decode_group is not self or m.training or m.meter_on for m in members):
-                return None  # a member gone, relinked elsewhere, training or metering
-            codes = self._codes(x, members)
-            operands = [m.decode_operands(x) if z is None else m.decode_operands(x, z) for m, z in zip(members, codes)]
-            if any(o is None for o in operands):
-                return None  # a peft-wrapped child: LoRA must run
-            vs, w_ts, ts, scales, biases = (list(c) for c in zip(*operands))
-            int8 = [type(w) is tuple for w in w_ts]  # an Int8Linear child: (q_t, qscale)
-            if any(int8):
-                if not all(int8):
-                    return None  # int8 beside full-precision siblings: each decodes on its own
-                if torch.is_grad_enabled() and (x.requires_grad or any(b is not None and b.requires_grad
-                                                                       for b in biases)):
-                    return None
-                flat = decode_int8_grouped(vs, [w[0] for w in w_ts], [w[1] for w in w_ts], ts, self.mode, scales,
-                                           biases, self.decode_bin)
-            else:
-                if torch.is_grad_enabled() and (x.requires_grad or any(w.requires_grad for w in w_ts)):
-                    return None  # the ops have no backward
-                flat = decode_masked_grouped(vs, w_ts, ts, self.mode, scales, biases, self.decode_bin)
-            lead = x.shape[:-1]
-            outs = [y.view(*lead, y.shape[-1]) for y in flat]
-            left = len(members)
-        left -= 1
-        self._decoded = (x, outs, left) if left > 0 else None
+            self._outputs.put(x, outs, len(outs))
         return outs[slot]
 
+    def _decode(self, x: torch.Tensor) -> list[torch.Tensor] | None:
+        """Every member's output for one decode token, in one grouped call; None where a member must compute
+        its own (see the module docstring)."""
+        if x.numel() != x.shape[-1]:
+            return None
+        code = None if self._code is None else self._code()
+        if code is None and not GROUP_EAGER_CPU and eager_cpu(x):
+            return None  # checked first: CPU decoding runs this every token
+        members = self.members()
+        if any(m is None or m._decode_group is not self or m.training for m in members):
+            return None  # a member gone or relinked elsewhere, or training
+        if code is None:
+            if self._code is not None or any(m.meter_on for m in members):
+                return None  # its shared code gone, or a member metering
+        elif code.training or code.meter_on:
+            return None
+        codes = self._codes(x, members, code)
+        operands = [m.decode_operands(x, z) for m, z in zip(members, codes)]
+        if any(o is None for o in operands):
+            return None  # a peft-wrapped child: LoRA must run
+        vs, ws, ts, scales = (list(c) for c in zip(*operands))
+        if len({(w.format, w.backend) for w in ws}) != 1:
+            return None  # int8 beside full-precision siblings: each decodes on its own
+        if torch.is_grad_enabled() and (x.requires_grad or any(w.requires_grad for w in ws)):
+            return None  # the kernels have no backward
+        flat = decode_masked_grouped(ws, vs, ts, self.mode, scales, self.decode_bin)
+        lead = x.shape[:-1]
+        return [y.view(*lead, y.shape[-1]) for y in flat]
 
-    def _codes(self, x: torch.Tensor, members: list) -> list:
-        """The rank adapters' codes `B x` of every member in one launch where the Triton kernels run;
-        Nones elsewhere (each member then applies its own B)."""
+    def _codes(self, x: torch.Tensor, members: list, code: nn.Module | None) -> list:
+        """The members' inputs where the group computes them: a shared code's `B x` once for all; the rank
+        adapters' own codes in one launch where the backend has one (Triton); Nones elsewhere (each member then
+        applies its own B)."""
+        if code is not None:
+            z = code.B(x)
+            return [z] * len(members)
         none = [None] * len(members)
-        if self.mode != "square" or not uses_triton(x):  # checked first: CPU decoding runs this every token
+        if self.mode != "square":
             return none
         weights = [m.code_weight() for m in members]
         if any(w is None for w in weights):
             return none
         if torch.is_grad_enabled() and (x.requires_grad or any(w.requires_grad for w in weights)):
             return none
-        codes = decode_dense_grouped([x] * len(members), weights)
+        codes = decode_dense_grouped(weights, [x] * len(members))
         return none if codes is None else [z.view(*x.shape[:-1], z.shape[-1]) for z in codes]
 
 
@@ -185,9 +200,15 @@ def link_decode_groups(model: nn.Module, spec) -> int:
 
 
 def relink(root: nn.Module) -> int:
-    """After ``copy.deepcopy``: point every copied q/k/v slice at its own SharedRankCode and every copied
-    decode group at the copied members (in their slots). Needs no architecture; returns the links made."""
-    count = relink_shared_codes(root)
+    """After ``copy.deepcopy``: point every copied shared code at the consumers beside it (its q/k/v slices)
+    and every copied decode group at the copied members (in their slots). Needs no architecture; returns the
+    links made."""
+    count = 0
+    for parent in root.modules():
+        for child in parent.children():
+            relink_consumers = getattr(child, "relink_consumers", None)  # a shared rank code
+            if relink_consumers is not None:
+                count += relink_consumers(parent)
     groups: dict[int, list] = {}
     for m in root.modules():
         if groupable(m) and m._decode_group is not None:

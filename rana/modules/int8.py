@@ -12,10 +12,11 @@ Storage (what a folder's safetensors hold under the module's path):
 that reads weights: column norms, SVD, export); no full-precision copy is kept. `qweight` stays int8
 and `weight_scale` float32 through `.to(dtype)` / `.half()` (only the bias and the compute dtype follow).
 
-One decode token without gradients goes through the int8 masked-GEMV entry point of the kernels
-(`decode_int8` → `decode_masked_int8_held`, mode "none": the dense int8 GEMV; on CPU the native call's
-operands are bound once and kept on the module until its tensors move); several tokens through F.linear with
-the weight dequantized for that call. The adapters call `decode_int8` with their masks (rana.modules.common).
+One decode token without gradients goes through the decode route with the layer's operand (an Int8Weight of
+its codes, scales and bias, kept on the module until its tensors move or are replaced: rana.modules.operands),
+mode "none": the dense int8 GEMV (on CPU the native call's operands are bound once). Several tokens go through
+F.linear with the weight dequantized for that call. An adapter whose child is an Int8Linear decodes its masked
+GEMV through the same operand type (registered below), with its mask.
 """
 from __future__ import annotations
 
@@ -23,31 +24,29 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from ..kernels.ops import BOUND_CALL, DEFAULT_SPARSITY_BIN, decode_masked_int8_grouped, decode_masked_int8_held
+from ..kernels.route import decode_masked
+from ..kernels.weights import Int8Weight
+from .operands import drop_operands, keep_operand, kept_operand, register_layer_weight
 
-INT8_MODES = ("none", "square", "abs_scaled", "abs")
+
+def int8_weight(owner: nn.Module) -> Int8Weight:
+    """The operand of the int8 weights `owner` holds (an Int8Linear, the int8 LM head): its `qweight`,
+    `weight_scale` and `bias`."""
+    return Int8Weight(owner._buffers["qweight"], owner._buffers["weight_scale"], owner._parameters["bias"])
 
 
-def decode_int8(owner: nn.Module, v: torch.Tensor, threshold: torch.Tensor | None, mode: str,
-                scale: torch.Tensor | None = None, sparsity_bin: int = DEFAULT_SPARSITY_BIN) -> torch.Tensor:
-    """One decode token through the int8 weights `owner` holds (its `qweight`, `weight_scale` and `bias`): the
-    kernels' `decode_masked_int8_held` (native on CPU, its operands bound once per module; Triton on CUDA).
-    ``threshold`` None: mode "none" (the dense int8 GEMV)."""
+def int8_weight_current(operand: Int8Weight, owner: nn.Module) -> bool:
     buffers = owner._buffers
-    return decode_masked_int8_held(owner, buffers["qweight"], buffers["weight_scale"], v, threshold, mode, scale,
-                                   owner._parameters["bias"], sparsity_bin)
+    return operand.q_t is buffers["qweight"] and operand.qscale is buffers["weight_scale"] and \
+        operand.bias is owner._parameters["bias"]
 
 
-def drop_bound_call(module: nn.Module) -> None:
-    """Forget `module`'s bound native call (its tensors moved or changed type): the next token binds anew."""
-    module.__dict__.pop(BOUND_CALL, None)
-
-
-def decode_int8_grouped(vs, q_ts, qscales, thresholds, mode: str, scales, biases,
-                        sparsity_bin: int = DEFAULT_SPARSITY_BIN) -> list[torch.Tensor]:
-    """Up to three one-token int8 masked GEMVs of sibling projections (one int8 Triton launch where it runs):
-    the kernels' `decode_masked_int8_grouped`; 1-D outputs."""
-    return decode_masked_int8_grouped(vs, q_ts, qscales, thresholds, mode, scales, biases, sparsity_bin)
+def own_int8_weight(owner: nn.Module) -> Int8Weight:
+    """`owner`'s operand of its own int8 weights, kept on it (rana.modules.operands, role "own")."""
+    operand = kept_operand(owner, "own")
+    if operand is None or not int8_weight_current(operand, owner):
+        operand = keep_operand(owner, "own", int8_weight(owner))
+    return operand
 
 
 class Int8Linear(nn.Module):
@@ -95,7 +94,7 @@ class Int8Linear(nn.Module):
         return (self.qweight.t().float() * self.weight_scale[:, None]).to(dtype)
 
     def _apply(self, fn, recurse=True):
-        drop_bound_call(self)
+        drop_operands(self)
         kept = {n: b for n in self._float32_buffers if (b := self._buffers.get(n)) is not None}
         super()._apply(fn, recurse)
         for name, value in kept.items():
@@ -109,7 +108,7 @@ class Int8Linear(nn.Module):
         bias = self._parameters["bias"]
         if x.numel() == x.shape[-1] and not (torch.is_grad_enabled() and (
                 x.requires_grad or (bias is not None and bias.requires_grad))):
-            return decode_int8(self, x, None, "none")
+            return decode_masked(own_int8_weight(self), x, None, "none")
         return F.linear(x, self.dequantized(x.dtype), None if bias is None else bias.to(x.dtype))
 
     def extra_repr(self) -> str:
@@ -126,4 +125,6 @@ def holds_int8(module: nn.Module) -> bool:
     return getattr(type(module), "int8_weights", False) is True
 
 
-__all__ = ["Int8Linear", "INT8_MODES", "decode_int8", "drop_bound_call", "decode_int8_grouped", "is_int8", "holds_int8"]
+register_layer_weight(Int8Linear, int8_weight, int8_weight_current)
+
+__all__ = ["Int8Linear", "int8_weight", "int8_weight_current", "own_int8_weight", "is_int8", "holds_int8"]

@@ -5,9 +5,10 @@ from __future__ import annotations
 import torch
 import torch.nn as nn
 
-from ..kernels.ops import decode_masked_linear
-from .common import MacMeter, MaskedDecode, column_major_linear, decode_weight, restore_layouts
-from .int8 import decode_int8, drop_bound_call
+from ..kernels.weights import FloatWeight
+from .common import MacMeter, MaskedDecode, column_major_linear, restore_layouts
+from .int8 import own_int8_weight
+from .operands import keep_operand, kept_operand
 from .registry import register_adapter
 
 
@@ -91,14 +92,12 @@ class NeuronThresholdLinear(ThresholdedLinearSpec, MaskedDecode, MacMeter, nn.Mo
         self._record(mask)
         return self.linear(h * mask)
 
-    def decode_operands(self, h: torch.Tensor):
-        """(input, w_t, threshold, scale, bias) of this projection in a grouped decode launch, or None
-        (w_t: `(q_t, qscale)` for int8 weights, see `decode_weight`)."""
-        linear = self._modules["linear"]
-        weight = decode_weight(linear)
+    def decode_operands(self, h: torch.Tensor, code=None):
+        """(input, its linear's operand, threshold, scale) in a grouped decode launch, or None (peft-wrapped)."""
+        weight = self.decode_weight(self._modules["linear"])
         if weight is None:
             return None
-        return h, weight, self._buffers["threshold"], self._buffers["column_norms"], linear._parameters["bias"]
+        return h, weight, self._buffers["threshold"], self._buffers["column_norms"]
 
     def measured_macs(self) -> float:
         return self.out_features * self.mean_active()
@@ -138,14 +137,12 @@ class InputSparseLinear(ThresholdedLinearSpec, MaskedDecode, MacMeter, nn.Module
         self._record(mask)
         return self.linear(x * mask)
 
-    def decode_operands(self, x: torch.Tensor):
-        """(input, w_t, threshold, scale, bias) of this projection in a grouped decode launch, or None
-        (w_t: `(q_t, qscale)` for int8 weights, see `decode_weight`)."""
-        linear = self._modules["linear"]
-        weight = decode_weight(linear)
+    def decode_operands(self, x: torch.Tensor, code=None):
+        """(input, its linear's operand, threshold, scale) in a grouped decode launch, or None (peft-wrapped)."""
+        weight = self.decode_weight(self._modules["linear"])
         if weight is None:
             return None
-        return x, weight, self._buffers["threshold"], None, linear._parameters["bias"]
+        return x, weight, self._buffers["threshold"], None
 
     def measured_macs(self) -> float:
         return self.out_features * self.mean_active()
@@ -321,15 +318,26 @@ class InputSparseHead(MaskedDecode, MacMeter, nn.Module):
             self._decode_t = cached = (key, copy)
         return cached[1]
 
+    def decode_weight(self, layer: nn.Module) -> FloatWeight | None:
+        """The operand of its own weight (`layer` is the head itself): the weight when it is column-major, else
+        the decode copy of a tied head; None when there is neither, or when the weight wants gradients (the
+        copy would not carry them)."""
+        w = self._parameters["weight"]
+        if torch.is_grad_enabled() and w.requires_grad:
+            return None
+        weight = self._column_major_weight(w)  # the masked GEMV reads weight.t() row by row
+        if weight is None:
+            return None
+        bias = self._parameters["bias"]
+        operand = kept_operand(self, "own")
+        if operand is None or operand.weight is not weight or operand.bias is not bias:
+            operand = keep_operand(self, "own", FloatWeight(weight, bias))
+        return operand
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.numel() == x.shape[-1] and self.decode_open():
-            w = self._parameters["weight"]
-            if not (torch.is_grad_enabled() and (w.requires_grad or x.requires_grad)):
-                # the masked GEMV reads weight.t() row by row: that layout, or the decode copy of a tied head
-                weight = self._column_major_weight(w)
-                if weight is not None:
-                    return decode_masked_linear(weight, x, self._buffers["threshold"], self.decode_mode, None,
-                                                self._parameters["bias"], self.decode_bin)
+        y = self.decode_masked(self, x, self._buffers["threshold"])
+        if y is not None:
+            return y
         mask = x.abs() >= self.threshold
         self._record(mask)
         return nn.functional.linear(x * mask, self.weight, self.bias)
@@ -390,8 +398,7 @@ class Int8InputSparseHead(InputSparseHead):
         return (self.qweight.t().float() * self.weight_scale[:, None]).to(self.compute_dtype)
 
     def _apply(self, fn, recurse=True):
-        drop_bound_call(self)
-        super()._apply(fn, recurse)
+        super()._apply(fn, recurse)  # (drops its operand: MaskedDecode)
         probe = fn(torch.empty(0, dtype=self.compute_dtype))
         if probe.is_floating_point():
             self.compute_dtype = probe.dtype
@@ -403,11 +410,15 @@ class Int8InputSparseHead(InputSparseHead):
             self._buffers["qweight"] = q.contiguous()
         return self
 
+    def decode_weight(self, layer: nn.Module):
+        """The operand of its own int8 weights (`layer` is the head itself)."""
+        return own_int8_weight(self)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.decode_masked(self, x, self._buffers["threshold"])
+        if y is not None:
+            return y
         bias = self._parameters["bias"]
-        if x.numel() == x.shape[-1] and self.decode_open() and not (
-                torch.is_grad_enabled() and (x.requires_grad or (bias is not None and bias.requires_grad))):
-            return decode_int8(self, x, self._buffers["threshold"], self.decode_mode)
         mask = x.abs() >= self.threshold
         self._record(mask)
         w = (self.qweight.t().float() * self.weight_scale[:, None]).to(x.dtype)

@@ -12,14 +12,11 @@ import weakref
 import torch
 import torch.nn as nn
 
-from ..kernels.ops import decode_masked_grouped
-from .common import MacMeter, MaskedDecode, column_major_linear, decode_weight, restore_layouts, row_major_linear
+from .common import ByInput, MacMeter, MaskedDecode, column_major_linear, restore_layouts, row_major_linear
+from .groups import MAX_GROUP, DecodeGroup
 from .int8 import Int8Linear
+from .operands import layer_weight
 from .registry import register_adapter
-
-
-def _single_token(x: torch.Tensor) -> bool:
-    return x.numel() == x.shape[-1]
 
 
 class RankCode:
@@ -88,18 +85,20 @@ class RankAdapterLinear(RankCode, MaskedDecode, MacMeter, nn.Module):
         return self.A(z * mask)
 
     def decode_operands(self, x: torch.Tensor, code: torch.Tensor | None = None):
-        """(code z = B x, w_t of A, threshold, scale, bias) in a grouped decode launch, or None (peft-wrapped).
+        """(code z = B x, A's operand, threshold, scale) in a grouped decode launch, or None (peft-wrapped).
         `code`: z already computed (the group's one launch for all its members' B)."""
-        B, A = self._modules["B"], self._modules["A"]
-        weight = decode_weight(A)
+        B = self._modules["B"]
+        weight = self.decode_weight(self._modules["A"])
         if weight is None or type(B) not in (nn.Linear, Int8Linear):
             return None
-        return B(x) if code is None else code, weight, self._buffers["threshold"], None, A._parameters["bias"]
+        return B(x) if code is None else code, weight, self._buffers["threshold"], None
 
-    def code_weight(self) -> torch.Tensor | None:
-        """B's weight when a grouped launch may compute this adapter's code (a plain, unwrapped B)."""
+    def code_weight(self):
+        """B's operand when a grouped launch may compute this adapter's code (a plain, unwrapped, bias-free B)."""
         B = self._modules["B"]
-        return B._parameters["weight"] if type(B) is nn.Linear and B._parameters["bias"] is None else None
+        if type(B) is not nn.Linear or B._parameters["bias"] is not None:
+            return None
+        return layer_weight(self, "code", B)
 
     def measured_macs(self) -> float:
         return self.rank * self.in_features + self.out_features * self.mean_active()
@@ -115,9 +114,10 @@ class SharedRankCode(RankCode, MacMeter, nn.Module):
     """B and its masker for stacked q/k/v: computes `m ⊙ (B x)` once per input tensor.
 
     The three projections are called with the *same* tensor in every supported attention
-    forward, so the code is cached by identity and dropped after its last consumer. For one decode
-    token the first consumer computes all of q/k/v in one grouped masked-GEMV launch
-    (:meth:`decode`) and the others take their slice of it.
+    forward, so the code is kept by identity and dropped after its last consumer (`ByInput`). For one decode
+    token its consumers decode in one sibling group (rana.modules.groups.DecodeGroup, made once they are all
+    linked): the first computes `B x` once and all of q/k/v in one grouped masked-GEMV call, and the others
+    take their slice of it.
     """
 
     spec_type = "shared_code"
@@ -125,7 +125,7 @@ class SharedRankCode(RankCode, MacMeter, nn.Module):
     linear_children = ("B",)
     row_major_children = ("B",)
     bare_weights = False
-    decode_mode = "square"  # its consumers' A in one grouped launch (`decode`)
+    decode_mode = "square"  # its consumers' A in one grouped launch (their DecodeGroup)
     groupable = False  # it groups its own consumers
     self_guided = None  # its slices are blended
     refit = "shared"  # never called itself: scored on its slices' input
@@ -148,53 +148,36 @@ class SharedRankCode(RankCode, MacMeter, nn.Module):
         self.in_features, self.rank, self.out_features = B.shape[1], B.shape[0], out_features
         self.consumers = consumers
         self.macs_dense = float(self.in_features * out_features)
-        self._cache: tuple | None = None
-        self._decoded: tuple | None = None
+        self._kept = ByInput()  # (z, mask) of the current input, for the consumers' torch path
         self._slices: list = []  # weak references to the consumers, in link order (q, k, v)
         self._init_meter()
 
     def code(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(z, mask) for x, computed once for the `consumers` projections that share x."""
-        if self._cache is not None and self._cache[0] is x:
-            _, z, mask, left = self._cache
-        else:
-            z = self.B(x)
-            mask = z * z >= self.threshold
-            self._record(mask)
-            left = self.consumers
-        left -= 1
-        self._cache = (x, z, mask, left) if left > 0 else None
-        return z, mask
+        kept = self._kept.get(x)
+        if kept is not None:
+            return kept
+        z = self.B(x)
+        mask = z * z >= self.threshold
+        self._record(mask)
+        return self._kept.put(x, (z, mask), self.consumers)
 
-    def decode(self, x: torch.Tensor, slot: int) -> torch.Tensor | None:
-        """Output of consumer `slot` for one decode token, or None (then the consumer uses `code`).
+    def link(self, consumer: "RankSliceLinear") -> None:
+        """Record `consumer` as the next of its slices (q, k, v); once all are linked they decode in one group."""
+        self._slices.append(weakref.ref(consumer))
+        if len(self._slices) == self.consumers and 2 <= self.consumers <= MAX_GROUP:
+            DecodeGroup([ref() for ref in self._slices], code=self)
 
-        The first consumer to see x runs every consumer's A in one grouped launch; the outputs
-        are kept (by x's identity) until the last consumer took its own."""
-        cached = self._decoded
-        if cached is not None and cached[0] is x:
-            outs, left = cached[1], cached[2]
-        else:
-            if self.training or self.meter_on or not _single_token(x) or type(self.B) is not nn.Linear:
-                return None
-            slices = [ref() for ref in self._slices]
-            if len(slices) != self.consumers or any(
-                    s is None or s._code() is not self or type(s.A) is not nn.Linear for s in slices):
-                return None  # not (or no longer) this code's own q/k/v: the per-slice path
-            weights = [s.A._parameters["weight"] for s in slices]
-            if torch.is_grad_enabled() and (x.requires_grad or any(w.requires_grad for w in weights)):
-                return None
-            z = self.B(x)
-            n = len(slices)
-            t = self._buffers["threshold"]
-            flat = decode_masked_grouped([z] * n, [w.t() for w in weights], [t] * n, self.decode_mode, [None] * n,
-                                         [s.A._parameters["bias"] for s in slices], self.decode_bin)
-            lead = x.shape[:-1]
-            outs = [y.view(*lead, y.shape[-1]) for y in flat]
-            left = self.consumers
-        left -= 1
-        self._decoded = (x, outs, left) if left > 0 else None
-        return outs[slot]
+    def relink_consumers(self, parent: nn.Module) -> int:
+        """After ``copy.deepcopy``: link the q/k/v slices beside this code (children of `parent`) to it; 1, or 0
+        when `parent` holds another shared code too (which one a slice reads is then unknown)."""
+        if sum(isinstance(c, SharedRankCode) for c in parent.children()) != 1:
+            return 0
+        self._slices, self._kept = [], ByInput()
+        for child in parent.children():
+            if isinstance(child, RankSliceLinear):
+                child.link(self)
+        return 1
 
     def measured_macs(self) -> float:
         return self.rank * self.in_features + self.out_features * self.mean_active()
@@ -242,36 +225,23 @@ class RankSliceLinear(MaskedDecode, nn.Module):
     def link(self, code: SharedRankCode) -> None:
         # A weak, non-module reference: the code is registered once, on the attention block.
         self._code = weakref.ref(code)
-        self._slot = len(code._slices)
-        code._slices.append(weakref.ref(self))
+        code.link(self)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         code = self._code()
-        if not self.training:
-            y = code.decode(x, self._slot)
-            if y is not None:
-                return y
+        y = self.decode_grouped(x, meter=code)  # its code's group: B x once, q/k/v in one call
+        if y is not None:
+            return y
         z, mask = code.code(x)
-        # one token outside the grouped launch (int8 weights): its code's threshold, meter and sparsity bin
+        # one token outside the grouped call (a peft-wrapped sibling): its code's threshold, meter and sparsity bin
         y = self.decode_masked(self._modules["A"], z, code._buffers["threshold"], meter=code)
         if y is not None:
             return y
         return self.A(z * mask)
 
-
-def relink_shared_codes(root: nn.Module) -> int:
-    """Point every RankSliceLinear under `root` at the SharedRankCode registered beside it (same parent).
-
-    The links are weak references, which ``copy.deepcopy`` copies as they are: a deep-copied layer's
-    slices would still use the original's code. Call this on the copy. Returns the codes relinked."""
-    count = 0
-    for parent in root.modules():
-        codes = [m for m in parent.children() if isinstance(m, SharedRankCode)]
-        if len(codes) != 1:
-            continue
-        codes[0]._slices, codes[0]._decoded, codes[0]._cache = [], None, None
-        for child in parent.children():
-            if isinstance(child, RankSliceLinear):
-                child.link(codes[0])
-        count += 1
-    return count
+    def decode_operands(self, x: torch.Tensor, code: torch.Tensor):
+        """(its code's z = B x, A's operand, the code's threshold, scale) in its code's grouped call, or None."""
+        weight = self.decode_weight(self._modules["A"])
+        if weight is None:
+            return None
+        return code, weight, self._code()._buffers["threshold"], None

@@ -26,7 +26,8 @@ What a kind declares (each checked at registration: a kind that forgets one fail
     it has no masked-GEMV decode path (`rana.modules.common.MaskedDecode` passes it to the kernels).
 ``groupable``
     True when siblings of it that read one input decode in one grouped launch (`rana.modules.groups`);
-    it then also defines ``decode_operands(x[, code])``.
+    it then also defines ``decode_operands(x, code=None)``: (its input, the operand of the matrix it masks,
+    threshold, scale) for the group's one call (`code`: its input when the group computed it).
 ``self_guided``
     how the self-guided start (`rana.finetune.guidance`) blends it with a dense path: ``"dense"`` (the
     original dense weight of its projection, loaded from the dense model), ``"unmasked"`` (its own

@@ -8,9 +8,9 @@ parameter by its ordinary state-dict key; ``rana_finalize`` then puts right what
 handed back otherwise. Both steps are ``rebuild.py``'s, the rebuild `rana.load` runs. The adapter
 modules (one per registered adapter kind, imported below: each registers its kinds with
 ``registry.py``; ``common.py``; ``groups.py`` links q/k/v and gate/up adapters for one grouped decode
-launch), the masked-GEMV kernels and their torch.library ops (``masked_gemv.py``, ``triton_gemv.py``,
-``ops.py``; ``cpu_gemv.py``, whose C source is compiled on first CPU decode when a C compiler exists,
-else torch ops run) and LAuReL (``laurel.py``) are copies of the `rana` package's own sources, shipped
+launch), the decode route and the masked-GEMV kernels (``route.py``, ``weights.py``, ``modes.py``,
+``torch_gemv.py``, ``triton_gemv.py``, their torch.library ops ``ops.py``; ``cpu_gemv.py``, whose inlined C
+source is compiled on first CPU decode when a C compiler exists, else torch ops run) and LAuReL (``laurel.py``) are copies of the `rana` package's own sources, shipped
 next to this file.
 
     from transformers import AutoModelForCausalLM

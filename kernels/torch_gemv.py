@@ -1,12 +1,14 @@
-"""Masked matrix-vector products for batch-1 decoding (RaNA / neuron thresholding / TEAL).
+"""The masked GEMV in torch ops: the reference, the sync-free dense product, and the CPU paths without the
+native kernel. The torch backend of the decode route (route.py) and the registered ops' implementations.
 
     y = W[:, active] @ v[active]  (+ bias),      W: N x K (out x in)
 
-The weight is passed *transposed*: ``w_t`` is (K, N) row-major contiguous, so column k of W
-is the contiguous row ``w_t[k]`` and an inactive input skips one contiguous row entirely
-(the CATS / TEAL kernel layout). The mask is computed next to the product from a threshold
-that may live on the device (a 0-dim tensor), so the GPU path never syncs with the host:
+The weight is passed *transposed*: ``w_t`` is (K, N) with unit stride along N, so column k of W is the
+contiguous row ``w_t[k]`` and an inactive input skips one contiguous row entirely (the CATS / TEAL kernel
+layout). The mask (modes.py) is computed next to the product from a threshold that may live on the device
+(a 0-dim tensor), so no path here syncs with the host, but the CPU gathers (which read it to index rows):
 
+    mode="none"        every input active (the threshold is not read)
     mode="square"      active_k = v_k**2            >= t   (RaNA B-masker on the rank code)
     mode="abs_scaled"  active_k = |v_k| * scale_k   >= t   (neuron thresholding, scale = ||W[:, k]||)
     mode="abs"         active_k = |v_k|             >= t   (TEAL input sparsity)
@@ -14,27 +16,23 @@ that may live on the device (a 0-dim tensor), so the GPU path never syncs with t
 Scores and comparisons are done in fp32, products are accumulated in fp32 and the result is
 returned in v's dtype. ``threshold=None`` (or the float -inf) means "everything active".
 
-Entry points
-    masked_gemv            dispatcher: Triton for one token on CUDA, the torch fast path for one
-                           token elsewhere, a dense masked matmul for several tokens.
-    masked_gemv_triton     Triton kernel (CUDA, or CPU tensors under TRITON_INTERPRET=1).
-    masked_gemv_torch      the CPU path: the native kernel of cpu_gemv.py for fp32, else gathered
-                           rows through embedding_bag.
-    masked_gemv_dense      ``(v * mask) @ w_t`` over any leading dims, sync-free on every device.
     masked_gemv_reference  plain fp32 reference.
-    masked_gemv_int8*      the same entry points for int8 weights (see "int8 weights" below).
+    masked_gemv_dense      ``(v * mask) @ w_t`` over any leading dims, sync-free on every device.
+    masked_gemv_torch      one CPU token: the native kernel of cpu_gemv.py (fp32), else gathered rows
+                           through embedding_bag; several tokens or another device: the dense product.
+    masked_gemv_int8_*     the same for int8 weights (see "int8 weights" below).
+    expert_masked_gemv_*   a mixture of experts' one token through its selected experts.
 
 int8 weights: ``q_t`` int8 (K, N) row-major with per-output-channel fp32 scales ``qscale`` (N,):
 
     y = qscale ⊙ ((m ⊙ v) @ q_t)  (+ bias)
 
-with the same masks (plus mode="none": everything active, the dense int8 GEMV), fp32 accumulation
-and the scale applied once to the accumulated sums. A kept int8 row is a quarter of an fp32 row's
-bytes, and a batch-1 decode is memory bound: the one-token paths read only the kept int8 rows.
+with the same masks, fp32 accumulation and the scale applied once to the accumulated sums. A kept int8 row
+is a quarter of an fp32 row's bytes, and a batch-1 decode is memory bound: the one-token paths read only the
+kept int8 rows.
 
-This file and its sibling cpu_gemv.py are self-contained (torch + stdlib; triton imported lazily
-and optionally) so they can be copied next to an exported model and imported on machines
-without triton.
+This file and its siblings are self-contained (torch + stdlib) so they can be copied next to an exported
+model and imported on machines without triton.
 """
 from __future__ import annotations
 
@@ -43,30 +41,24 @@ import math
 
 import torch
 
-from .triton_gemv import grouped_masked_gemv_int8_triton, grouped_masked_gemv_triton, interpreting as _interpreting
-from .triton_gemv import triton_available as _triton_available
-from .cpu_gemv import masked_gemv_native, masked_gemv_native_int8
+from .cpu_gemv import native_masked
+from .modes import mode_id
 
 __all__ = [
+    "check_args",
+    "check_int8_args",
     "expert_masked_gemv_dense",
     "expert_masked_gemv_gather",
     "expert_masked_gemv_reference",
-    "masked_gemv",
     "masked_gemv_dense",
+    "masked_gemv_gather",
     "masked_gemv_reference",
     "masked_gemv_torch",
-    "masked_gemv_triton",
-    "masked_gemv_int8",
     "masked_gemv_int8_dense",
     "masked_gemv_int8_gather",
     "masked_gemv_int8_reference",
     "masked_gemv_int8_torch",
-    "masked_gemv_int8_triton",
-    "triton_available",
-    "MODES",
 ]
-
-MODES = ("square", "abs_scaled", "abs")
 
 # Torch fast path on CPU: gather the active rows (embedding_bag with per-sample weights, no
 # copy of the rows) while the active fraction is below this value, else the dense masked
@@ -79,9 +71,9 @@ _BAG_OFFSETS = torch.zeros(1, dtype=torch.long)  # embedding_bag: a single bag s
 # --------------------------------------------------------------------------------------------
 # shared helpers
 # --------------------------------------------------------------------------------------------
-def _check(w_t: torch.Tensor, v: torch.Tensor, mode: str, threshold, scale) -> None:
-    if mode not in MODES:
-        raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
+def check_args(w_t: torch.Tensor, v: torch.Tensor, mode: str, threshold, scale) -> None:
+    """ValueError unless (w_t, v, mode, threshold, scale) is a float masked GEMV this file can run."""
+    mode_id(mode)  # ValueError for an unknown mode
     if w_t.dim() != 2:
         raise ValueError(f"w_t must be 2-D (K, N), got shape {tuple(w_t.shape)}")
     if v.dim() == 0 or v.shape[-1] != w_t.shape[0]:
@@ -112,7 +104,7 @@ def _threshold_like(threshold, v: torch.Tensor):
 
 def _active_mask(v: torch.Tensor, threshold, mode: str, scale) -> torch.Tensor | None:
     """Boolean mask with v's shape, or None for "everything active"."""
-    if _all_active(threshold):
+    if mode == "none" or _all_active(threshold):
         return None
     t = _threshold_like(threshold, v)
     vf = v if v.dtype == torch.float32 else v.float()
@@ -134,7 +126,7 @@ def _out_shape(v: torch.Tensor, n: int) -> tuple:
 # --------------------------------------------------------------------------------------------
 def masked_gemv_reference(w_t, v, threshold, *, mode: str, scale=None, bias=None) -> torch.Tensor:
     """fp32 reference: ``sum_k [active_k] v_k w_t[k, :] (+ bias)``, any leading dims of v."""
-    _check(w_t, v, mode, threshold, scale)
+    check_args(w_t, v, mode, threshold, scale)
     mask = _active_mask(v, threshold, mode, scale)
     vf = v.float()
     if mask is not None:
@@ -150,7 +142,7 @@ def masked_gemv_dense(w_t, v, threshold, *, mode: str, scale=None, bias=None) ->
 
     No host sync on any device; the product runs in w_t's dtype (BLAS/cuBLAS accumulate fp32).
     """
-    _check(w_t, v, mode, threshold, scale)
+    check_args(w_t, v, mode, threshold, scale)
     mask = _active_mask(v, threshold, mode, scale)
     x = v if mask is None else torch.where(mask, v, 0.0)
     return _matmul(x, w_t, bias).to(v.dtype).reshape(_out_shape(v, w_t.shape[1]))
@@ -176,12 +168,12 @@ def masked_gemv_torch(w_t, v, threshold, *, mode: str, scale=None, bias=None) ->
     On other devices (where ``nonzero`` would sync) and for several tokens it is
     :func:`masked_gemv_dense`.
     """
-    _check(w_t, v, mode, threshold, scale)
+    check_args(w_t, v, mode, threshold, scale)
     K, N = w_t.shape
     if v.device.type != "cpu" or w_t.device.type != "cpu" or v.numel() != K:
         return masked_gemv_dense(w_t, v, threshold, mode=mode, scale=scale, bias=bias)
-    t = -math.inf if _all_active(threshold) else float(threshold)
-    y = masked_gemv_native(w_t, v, t, mode, scale=scale, bias=bias)
+    t = -math.inf if mode == "none" or _all_active(threshold) else float(threshold)
+    y = native_masked(w_t, None, v, t, mode, scale, bias)
     return y if y is not None else masked_gemv_gather(w_t, v, threshold, mode, scale, bias)
 
 
@@ -211,78 +203,11 @@ def _all_rows(K: int) -> torch.Tensor:
 
 
 # --------------------------------------------------------------------------------------------
-# Triton kernel (triton_gemv.py: one launch, threshold applied in the kernel, no zero-fill)
-# --------------------------------------------------------------------------------------------
-def triton_available() -> bool:
-    """True when triton imports (the kernel still needs CUDA tensors or TRITON_INTERPRET=1)."""
-    return _triton_available()
-
-
-def _one_token_launch(w_t, v, threshold, mode: str, scale, name: str):
-    """(K, N, kernel mode, device threshold, fp32 scale) of a one-token Triton launch, after the checks
-    both weight kinds share: triton present, one token, CUDA tensors (or the interpreter). Everything
-    active (threshold None / -inf) launches mode "none"."""
-    if not _triton_available():
-        raise RuntimeError("triton is not installed")
-    K, N = w_t.shape
-    if v.numel() != K:
-        raise ValueError(f"{name} handles one token, got v of shape {tuple(v.shape)}")
-    if not _interpreting() and not (v.is_cuda and w_t.is_cuda):
-        raise ValueError(f"{name} needs CUDA tensors (or TRITON_INTERPRET=1)")
-    if _all_active(threshold):
-        kernel_mode, t = "none", torch.zeros((), dtype=torch.float32, device=v.device)
-    else:
-        kernel_mode, t = mode, _threshold_like(threshold, v)
-        if not isinstance(t, torch.Tensor):
-            t = torch.full((), t, dtype=torch.float32, device=v.device)
-    s = scale.reshape(K).to(device=v.device, dtype=torch.float32) if kernel_mode == "abs_scaled" else None
-    return K, N, kernel_mode, t, s
-
-
-def masked_gemv_triton(w_t, v, threshold, *, mode: str, scale=None, bias=None) -> torch.Tensor:
-    """Triton masked GEMV for one token (v of shape (K,), (1, K) or (1, 1, K)).
-
-    The kernel of :mod:`triton_gemv` (the grouped kernel with one projection): each program
-    computes the mask for its slice of v and reads only the active rows of ``w_t``, accumulating in
-    fp32; see triton_gemv.py for the split-K design. No host sync: a tensor threshold is read inside
-    the kernel (a CPU tensor threshold with CUDA inputs is read on the host instead, which does not
-    sync the GPU either); a python float becomes a device scalar.
-    """
-    _check(w_t, v, mode, threshold, scale)
-    K, N, kernel_mode, t, s = _one_token_launch(w_t, v, threshold, mode, scale, "masked_gemv_triton")
-    y = grouped_masked_gemv_triton([v.reshape(K)], [w_t], [t], kernel_mode, [s],
-                                    [None if bias is None else bias.reshape(N)])
-    return y.reshape(_out_shape(v, N))
-
-
-# --------------------------------------------------------------------------------------------
-# dispatcher
-# --------------------------------------------------------------------------------------------
-def masked_gemv(w_t, v, threshold, *, mode: str, scale=None, bias=None) -> torch.Tensor:
-    """Masked ``v @ w_t`` choosing the fastest path for where the tensors are.
-
-    * one token on CUDA with triton importable  -> :func:`masked_gemv_triton`
-    * one token otherwise                        -> :func:`masked_gemv_torch` (on CPU the native
-      kernel of cpu_gemv.py, else a torch gather; on a GPU without triton the dense masked
-      product, no sync)
-    * several tokens (batch > 1, prefill)        -> :func:`masked_gemv_dense`
-    """
-    if w_t.dim() != 2 or v.numel() != w_t.shape[0]:
-        return masked_gemv_dense(w_t, v, threshold, mode=mode, scale=scale, bias=bias)
-    if v.is_cuda and w_t.is_cuda and triton_available():
-        return masked_gemv_triton(w_t, v, threshold, mode=mode, scale=scale, bias=bias)
-    return masked_gemv_torch(w_t, v, threshold, mode=mode, scale=scale, bias=bias)
-
-
-# --------------------------------------------------------------------------------------------
 # int8 weights: y = qscale * ((m ⊙ v) @ q_t) (+ bias)
 # --------------------------------------------------------------------------------------------
-INT8_MODES = ("none",) + MODES
-
-
-def _check_int8(q_t: torch.Tensor, qscale: torch.Tensor, v: torch.Tensor, mode: str, threshold, scale) -> None:
-    if mode not in INT8_MODES:
-        raise ValueError(f"mode must be one of {INT8_MODES}, got {mode!r}")
+def check_int8_args(q_t: torch.Tensor, qscale: torch.Tensor, v: torch.Tensor, mode: str, threshold, scale) -> None:
+    """ValueError unless the arguments are an int8 masked GEMV this file can run."""
+    mode_id(mode)  # ValueError for an unknown mode
     if q_t.dim() != 2 or q_t.dtype != torch.int8:
         raise ValueError(f"q_t must be a 2-D (K, N) int8 tensor, got {q_t.dtype} of shape {tuple(q_t.shape)}")
     if qscale.numel() != q_t.shape[1]:
@@ -293,16 +218,12 @@ def _check_int8(q_t: torch.Tensor, qscale: torch.Tensor, v: torch.Tensor, mode: 
         raise ValueError("mode='abs_scaled' needs scale (the column norms of W)")
 
 
-def _int8_mask(v: torch.Tensor, threshold, mode: str, scale) -> torch.Tensor | None:
-    return None if mode == "none" else _active_mask(v, threshold, mode, scale)
-
-
 def masked_gemv_int8_reference(q_t, qscale, v, threshold, *, mode: str, scale=None, bias=None) -> torch.Tensor:
     """float64 reference over the dequantized weight, any leading dims of v; returns float64 (tests).
 
     The mask is computed as the kernels compute it (fp32 scores, ``>= t``)."""
-    _check_int8(q_t, qscale, v, mode, threshold, scale)
-    mask = _int8_mask(v, threshold, mode, scale)
+    check_int8_args(q_t, qscale, v, mode, threshold, scale)
+    mask = _active_mask(v, threshold, mode, scale)
     vd = v.double()
     if mask is not None:
         vd = torch.where(mask, vd, torch.zeros((), dtype=vd.dtype, device=vd.device))
@@ -316,8 +237,8 @@ def masked_gemv_int8_dense(q_t, qscale, v, threshold, *, mode: str, scale=None, 
     """``((v * mask) @ q_t) * qscale (+ bias)`` over any leading dims: batch > 1, prefill, and the
     sync-free path on any device without Triton. Dequantizes the whole weight (fp32 on CPU, v's
     half dtype on accelerators, where the GEMM accumulates in fp32); output in v's dtype."""
-    _check_int8(q_t, qscale, v, mode, threshold, scale)
-    mask = _int8_mask(v, threshold, mode, scale)
+    check_int8_args(q_t, qscale, v, mode, threshold, scale)
+    mask = _active_mask(v, threshold, mode, scale)
     x = v if mask is None else torch.where(mask, v, 0.0)
     dt = v.dtype if (v.device.type != "cpu" and v.dtype in (torch.float16, torch.bfloat16)) else torch.float32
     y = (x.to(dt) @ q_t.to(dt)).float() * qscale.reshape(-1).float()
@@ -329,10 +250,10 @@ def masked_gemv_int8_dense(q_t, qscale, v, threshold, *, mode: str, scale=None, 
 def masked_gemv_int8_gather(q_t, qscale, v, threshold, *, mode: str, scale=None, bias=None) -> torch.Tensor:
     """One token on CPU in torch ops: copy out only the kept int8 rows (``index_select``), multiply them
     in fp32; while at most ``CPU_GATHER_MAX_FRACTION[float32]`` of the rows are kept, else the dense path."""
-    _check_int8(q_t, qscale, v, mode, threshold, scale)
+    check_int8_args(q_t, qscale, v, mode, threshold, scale)
     K, N = q_t.shape
     v1 = v.reshape(K)
-    mask = _int8_mask(v1, threshold, mode, scale)
+    mask = _active_mask(v1, threshold, mode, scale)
     if mask is None:
         return masked_gemv_int8_dense(q_t, qscale, v, None, mode="none", bias=bias)
     idx = mask.nonzero().view(-1)
@@ -347,36 +268,15 @@ def masked_gemv_int8_gather(q_t, qscale, v, threshold, *, mode: str, scale=None,
 def masked_gemv_int8_torch(q_t, qscale, v, threshold, *, mode: str, scale=None, bias=None) -> torch.Tensor:
     """One token on CPU: the native int8 kernel of cpu_gemv.py, else :func:`masked_gemv_int8_gather`.
     Other devices and several tokens: :func:`masked_gemv_int8_dense` (no sync)."""
-    _check_int8(q_t, qscale, v, mode, threshold, scale)
+    check_int8_args(q_t, qscale, v, mode, threshold, scale)
     K = q_t.shape[0]
     if v.device.type != "cpu" or q_t.device.type != "cpu" or v.numel() != K:
         return masked_gemv_int8_dense(q_t, qscale, v, threshold, mode=mode, scale=scale, bias=bias)
     t = -math.inf if (mode == "none" or _all_active(threshold)) else float(threshold)
-    y = masked_gemv_native_int8(q_t, qscale, v, t, "none" if t == -math.inf else mode, scale=scale, bias=bias)
+    y = native_masked(q_t, qscale, v, t, "none" if t == -math.inf else mode, scale, bias)
     if y is not None:
         return y.reshape(_out_shape(v, q_t.shape[1]))
     return masked_gemv_int8_gather(q_t, qscale, v, threshold, mode=mode, scale=scale, bias=bias)
-
-
-def masked_gemv_int8_triton(q_t, qscale, v, threshold, *, mode: str, scale=None, bias=None) -> torch.Tensor:
-    """The Triton kernel's int8 path for one token (CUDA, or CPU tensors under TRITON_INTERPRET=1)."""
-    _check_int8(q_t, qscale, v, mode, threshold, scale)
-    K, N, kernel_mode, t, s = _one_token_launch(q_t, v, None if mode == "none" else threshold, mode, scale,
-                                                "masked_gemv_int8_triton")
-    qs = qscale.reshape(N).to(device=v.device, dtype=torch.float32)
-    y = grouped_masked_gemv_int8_triton([v.reshape(K)], [q_t], [qs], [t], kernel_mode, [s],
-                                        [None if bias is None else bias.reshape(N)])
-    return y.reshape(_out_shape(v, N))
-
-
-def masked_gemv_int8(q_t, qscale, v, threshold, *, mode: str, scale=None, bias=None) -> torch.Tensor:
-    """Dispatcher for int8 weights: Triton for one token on CUDA, the native/torch CPU path for one
-    token on CPU, the dense dequantized product otherwise."""
-    if q_t.dim() != 2 or v.numel() != q_t.shape[0]:
-        return masked_gemv_int8_dense(q_t, qscale, v, threshold, mode=mode, scale=scale, bias=bias)
-    if v.is_cuda and q_t.is_cuda and triton_available():
-        return masked_gemv_int8_triton(q_t, qscale, v, threshold, mode=mode, scale=scale, bias=bias)
-    return masked_gemv_int8_torch(q_t, qscale, v, threshold, mode=mode, scale=scale, bias=bias)
 
 
 # --------------------------------------------------------------------------------------------
