@@ -305,11 +305,14 @@ def profile_step(model, ids: torch.Tensor, top: int = 12) -> list[dict]:
     lib, status = loader()
     if lib is not None:  # the C call is no torch op: name it for the profiler
 
-        def named(*a):
-            with record_function("rana::native_masked_gemv (C)"):
-                return lib.masked(*a)
+        def named(entry):
+            def call(*a):
+                with record_function("rana::native_masked_gemv (C)"):
+                    return entry(*a)
+            return call
 
-        cpu_gemv._load = lambda: (lib._replace(masked=named), status)
+        cpu_gemv._load = lambda: (lib._replace(masked_f32=named(lib.masked_f32), masked_i8=named(lib.masked_i8)),
+                                  status)
         for m in model.modules():
             drop_operands(m)  # their calls were bound to the unnamed entry point
     try:

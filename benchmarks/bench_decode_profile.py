@@ -112,7 +112,8 @@ class Probe:
 
         lib, status = cpu_gemv._load()
         if lib is not None:
-            timed = lib._replace(masked=self._timed(lib.masked, "kernel"), expert=self._timed(lib.expert, "kernel"))
+            timed = lib._replace(**{name: self._timed(getattr(lib, name), "kernel")
+                                    for name in ("masked_f32", "masked_i8", "expert")})
             self._patch(cpu_gemv, "_load", lambda: (timed, status))
         unbind(model)  # calls bound before were bound to the kernels themselves
         self.model = model
@@ -195,7 +196,11 @@ class Floor:
             lib, status = cpu_gemv._load()
             memset = ctypes.memset
 
-            def masked(operands, x, t, y, limit, xm, threads):
+            def masked_f32(operands, x, t, y, limit, xm, threads):
+                memset(y, 0, cpu_gemv._Operands.from_address(operands).N * 4)
+                return 0
+
+            def masked_i8(operands, x, t, y, threads):
                 memset(y, 0, cpu_gemv._Operands.from_address(operands).N * 4)
                 return 0
 
@@ -203,7 +208,8 @@ class Floor:
                 memset(y, 0, S * N * 4)
                 return 0
             if lib is not None:
-                self._patch(cpu_gemv, "_load", lambda: (lib._replace(masked=masked, expert=expert), status))
+                self._patch(cpu_gemv, "_load", lambda: (lib._replace(masked_f32=masked_f32, masked_i8=masked_i8,
+                                                                     expert=expert), status))
                 unbind(model)
                 self.model = model
             return

@@ -2,9 +2,10 @@
    built and loaded). Compiled as one unit with rana_modes.h inlined: the build writes what it compiles, so the
    mask-mode ids are always those of kernels/modes.py.
 
-   The one entry point, rana_masked_gemv, takes a projection's operands bound once by Python (rana_operands:
-   the weights in either format, their scales, the column norms, the bias, the mask mode), so a decode token
-   passes seven arguments: ctypes converts every argument on every call (~0.1-0.2 us each).
+   One calling convention: a projection's operands are bound once by Python (rana_operands: the weights in
+   either format, their scales, the column norms, the bias, the mask mode), and a decode token passes itself,
+   its threshold, the output and the thread count to its format's entry point (rana_masked_gemv_f32 / _i8):
+   ctypes converts every argument on every call (~0.1-0.2 us each).
 
    y = sum over kept k of x[k] * w[k, :]  (+ bias),  w: K rows of N weights, row stride ldw.
    kept: RANA_MODE_NONE all; SQUARE x*x >= t; ABS_SCALED |x|*scale >= t; ABS |x| >= t (fp32, as torch
@@ -242,28 +243,33 @@ static int64_t rana_masked_i8(const int8_t* __restrict w, const float* __restric
 
 /* One projection's operands, bound once by Python (cpu_gemv.NativeCall; its _Operands mirrors this struct). */
 typedef struct {
-    const void* w;        /* K rows of N weights, row stride ldw: float (int8 == 0) or int8 codes (int8 == 1) */
+    const void* w;        /* K rows of N weights, row stride ldw: float, or int8 codes */
     const float* qscale;  /* int8: the N per-output-channel scales; unused for float weights */
     const float* scale;   /* RANA_MODE_ABS_SCALED: the K column norms */
     const float* bias;    /* N values, or 0 */
     int64_t K, N, ldw;
     int64_t mode;
-    int64_t int8;
 } rana_operands;
 
-/* y = op's masked GEMV of the token x at threshold t. Returns the kept count; for float weights, a count above
-   `limit` means y was not written and xm holds the masked x (see rana_masked_f32); int8 weights always
-   multiply (limit unread, xm may be 0). -1: no index scratch could be allocated (the caller takes its other
-   path). */
-int64_t rana_masked_gemv(const rana_operands* __restrict op, const float* __restrict x, float t,
-                         float* __restrict y, int64_t limit, float* __restrict xm, int threads) {
+/* The entry points: y = op's masked GEMV of the token x at threshold t; the kept count, or -1 when no index
+   scratch could be allocated (the caller takes its other path). One per weight format, both on the bound
+   operands: float weights also take `limit` and `xm` (a count above limit means y was not written and xm
+   holds the masked x, see rana_masked_f32); int8 weights always multiply, and a token passes five arguments
+   (ctypes converts each on every call). */
+int64_t rana_masked_gemv_f32(const rana_operands* __restrict op, const float* __restrict x, float t,
+                             float* __restrict y, int64_t limit, float* __restrict xm, int threads) {
     int32_t* idx = rana_index_scratch(op->K);
     if (!idx) return -1;
-    if (op->int8)
-        return rana_masked_i8((const int8_t*)op->w, op->qscale, x, op->K, op->N, op->ldw, t, (int)op->mode,
-                              op->scale, op->bias, y, idx, threads);
     return rana_masked_f32((const float*)op->w, x, op->K, op->N, op->ldw, t, (int)op->mode, op->scale, op->bias, y,
                            limit, xm, idx, threads);
+}
+
+int64_t rana_masked_gemv_i8(const rana_operands* __restrict op, const float* __restrict x, float t,
+                            float* __restrict y, int threads) {
+    int32_t* idx = rana_index_scratch(op->K);
+    if (!idx) return -1;
+    return rana_masked_i8((const int8_t*)op->w, op->qscale, x, op->K, op->N, op->ldw, t, (int)op->mode, op->scale,
+                          op->bias, y, idx, threads);
 }
 
 /* A mixture of experts' one token: S selected experts of the stacked w (E blocks of K rows of N floats,

@@ -100,26 +100,27 @@ def source() -> str:
 # --------------------------------------------------------------------------------------------
 class Library(NamedTuple):
     """The compiled library's entry points (ctypes functions)."""
-    masked: object  # rana_masked_gemv(operands, x, t, y, limit, xm, threads) -> kept count, -1: no scratch
+    masked_f32: object  # rana_masked_gemv_f32(operands, x, t, y, limit, xm, threads) -> kept count, -1: no scratch
+    masked_i8: object  # rana_masked_gemv_i8(operands, x, t, y, threads) -> kept count, -1: no scratch
     expert: object  # rana_expert_masked_gemv(w, x, experts, t, S, K, N, lde, ldw, ldx, y, threads) -> 0 / -1
     lanes: int  # the int8 inner loop's vector width (rana_i8_lanes)
 
 
 def _bind_entries(lib: ctypes.CDLL) -> Library:
-    p, i64 = ctypes.c_void_p, ctypes.c_int64
-    masked = lib.rana_masked_gemv
-    masked.argtypes = [p, p, ctypes.c_float, p, i64, p, ctypes.c_int]
-    masked.restype = i64
+    p, i64, f32, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float, ctypes.c_int
+    f = lib.rana_masked_gemv_f32
+    f.argtypes, f.restype = [p, p, f32, p, i64, p, i32], i64
+    i8 = lib.rana_masked_gemv_i8
+    i8.argtypes, i8.restype = [p, p, f32, p, i32], i64
     expert = lib.rana_expert_masked_gemv
-    expert.argtypes = [p, p, p, p, i64, i64, i64, i64, i64, i64, p, ctypes.c_int]
-    expert.restype = i64
-    return Library(masked, expert, int(lib.rana_i8_lanes()))
+    expert.argtypes, expert.restype = [p, p, p, p, i64, i64, i64, i64, i64, i64, p, i32], i64
+    return Library(f, i8, expert, int(lib.rana_i8_lanes()))
 
 
 class _Operands(ctypes.Structure):  # rana_operands in cpu_gemv.c
     _fields_ = [("w", ctypes.c_void_p), ("qscale", ctypes.c_void_p), ("scale", ctypes.c_void_p),
                 ("bias", ctypes.c_void_p), ("K", ctypes.c_int64), ("N", ctypes.c_int64), ("ldw", ctypes.c_int64),
-                ("mode", ctypes.c_int64), ("int8", ctypes.c_int64)]
+                ("mode", ctypes.c_int64)]
 
 
 # --------------------------------------------------------------------------------------------
@@ -127,9 +128,6 @@ class _Operands(ctypes.Structure):  # rana_operands in cpu_gemv.c
 # --------------------------------------------------------------------------------------------
 def _unpickled_none():
     return None
-
-
-_NO_LIMIT = (1 << 62)  # int8 weights: always multiply
 
 
 class NativeCall:
@@ -181,8 +179,8 @@ class NativeCall:
         operands = _Operands(w_t.data_ptr(), None if qscale is None else qscale.data_ptr(),
                              None if used[1] is None else used[1].data_ptr(),
                              None if bias is None else bias.data_ptr(), K, N, w_t.stride(0) if K > 1 else N,
-                             mode_id, int(int8))
-        return cls(tensors, mode, K, N, lib.masked, operands)
+                             mode_id)
+        return cls(tensors, mode, K, N, lib.masked_i8 if int8 else lib.masked_f32, operands)
 
     def binds(self, w_t, qscale, mode: str, scale=None, bias=None) -> bool:
         t = self.tensors
@@ -208,8 +206,7 @@ class NativeCall:
             return None
         if self.int8:
             y = torch.empty(_out_shape(v.dim(), self.N), dtype=torch.float32)
-            if self._fn(self._address, v.data_ptr(), threshold, y.data_ptr(), _NO_LIMIT, None,
-                        torch.get_num_threads()) < 0:
+            if self._fn(self._address, v.data_ptr(), threshold, y.data_ptr(), torch.get_num_threads()) < 0:
                 return None  # the index scratch could not be grown
             return y
         return self._float(v, threshold, limit)

@@ -29,7 +29,7 @@ from .torch_gemv import (expert_masked_gemv_dense, expert_masked_gemv_gather, ma
                          masked_gemv_int8_dense, masked_gemv_int8_gather)
 from .cpu_gemv import expert_masked_gemv_native
 from .triton_gemv import expert_masked_gemv_triton, grouped_dense_gemv_triton, grouped_masked_gemv_triton, sparsity_bin
-from .weights import FloatWeight, Weight, triton_on_cpu
+from .weights import FloatWeight, Weight, eager_cpu
 
 __all__ = ["decode_masked", "decode_masked_grouped", "decode_expert_masked", "decode_dense_grouped", "eager_cpu",
            "EAGER", "TRACED", "Backend", "DEFAULT_SPARSITY_BIN", "sparsity_bin"]
@@ -85,12 +85,6 @@ def decode_dense_grouped(ws: Sequence[FloatWeight], vs: Sequence[torch.Tensor]) 
     return row.dense_grouped(ws, vs)
 
 
-def eager_cpu(v: torch.Tensor) -> bool:
-    """Whether one token on `v` runs eagerly on CPU, where no backend has a grouped launch (not traced, not the
-    interpreter's Triton): there a grouped call is a loop of single calls, so callers may skip assembling one."""
-    return v.is_cpu and not triton_on_cpu() and not torch.compiler.is_compiling()
-
-
 # --------------------------------------------------------------------------------------------
 # eager implementations
 # --------------------------------------------------------------------------------------------
@@ -98,8 +92,7 @@ def _one_token(v: torch.Tensor) -> bool:
     return v.numel() == v.shape[-1]
 
 
-def _host_threshold(threshold) -> float:
-    return float("-inf") if threshold is None else float(threshold)
+_NO_THRESHOLD = float("-inf")  # mode "none" reads no threshold
 
 
 def _torch_masked(w: Weight, v, threshold, mode, scale, sbin):
@@ -118,9 +111,10 @@ def _torch_masked(w: Weight, v, threshold, mode, scale, sbin):
 
 def _native_masked(w: Weight, v, threshold, mode, scale, sbin):
     """One CPU token through the operand's bound native call; what it declines (another dtype or layout,
-    gradients wanted for v) and several tokens take the torch path."""
-    if _one_token(v):
-        y = w.native(mode, scale)(v, _host_threshold(threshold))
+    gradients wanted for v) and several tokens take the torch path. (Runs per projection per token: no
+    helper calls.)"""
+    if v.numel() == v.shape[-1]:
+        y = w.native(mode, scale)(v, _NO_THRESHOLD if threshold is None else float(threshold))
         if y is not None:
             return y
     return _torch_masked(w, v, threshold, mode, scale, sbin)

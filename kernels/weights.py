@@ -27,7 +27,7 @@ import torch
 from .cpu_gemv import NativeCall, native_kernel
 from .triton_gemv import interpreting, kernels_available
 
-__all__ = ["Weight", "FloatWeight", "Int8Weight", "backend_for", "BACKENDS", "triton_on_cpu"]
+__all__ = ["Weight", "FloatWeight", "Int8Weight", "backend_for", "eager_cpu", "BACKENDS", "TRITON_ON_CPU"]
 
 BACKENDS = ("native", "triton", "torch")
 
@@ -37,9 +37,10 @@ BACKENDS = ("native", "triton", "torch")
 TRITON_ON_CPU = interpreting() and os.environ.get("RANA_TRITON_ON_CPU") == "1"
 
 
-def triton_on_cpu() -> bool:
-    """Whether CPU tensors take the Triton kernels (the interpreter; see TRITON_ON_CPU)."""
-    return TRITON_ON_CPU
+def eager_cpu(v: torch.Tensor) -> bool:
+    """Whether one token on `v` runs eagerly on CPU, where no backend has a grouped launch (not traced, not the
+    interpreter's Triton): there a grouped call is a loop of single calls, so callers may skip assembling one."""
+    return v.is_cpu and not TRITON_ON_CPU and not torch.compiler.is_compiling()
 
 
 TRITON_KERNELS = kernels_available()  # read once: the choice below runs inside traced steps too
@@ -65,7 +66,7 @@ class Weight:
     and the native call bound for a mask mode and scale."""
 
     format: str = ""
-    __slots__ = ("bias", "backend", "_native")
+    __slots__ = ("bias", "backend", "stored", "_native")  # stored: the tensor whose storage a bound call reads
 
     @property
     def device(self) -> torch.device:
@@ -75,15 +76,11 @@ class Weight:
         """(w_t (K, N) with unit stride along N, the int8 scales or None, the bias or None)."""
         raise NotImplementedError
 
-    def _stored(self) -> torch.Tensor:
-        """The tensor whose storage the bound call reads (an in-place ``.data`` swap moves it)."""
-        raise NotImplementedError
-
     def native(self, mode: str, scale: torch.Tensor | None) -> NativeCall:
-        """The native call for `mode` and `scale`, bound on first use and kept while it describes them."""
+        """The native call for `mode` and `scale`, bound on first use and kept while it describes them and the
+        weights' storage (`stored`: an in-place ``.data`` swap moves it)."""
         call = self._native
-        if call is None or call.mode != mode or call.tensors[2] is not scale or \
-                call.ptr != self._stored().data_ptr():
+        if call is None or call.mode != mode or call.tensors[2] is not scale or call.ptr != self.stored.data_ptr():
             w_t, qscale, bias = self.op_tensors()
             call = self._native = NativeCall.bind(w_t, qscale, mode, scale, bias)
         return call
@@ -101,6 +98,7 @@ class FloatWeight(Weight):
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None):
         self.weight, self.bias, self._native = weight, bias, None
+        self.stored = weight
         self.backend = backend_for(weight.device, weight.dtype is torch.float32)
 
     @property
@@ -119,9 +117,6 @@ class FloatWeight(Weight):
     def op_tensors(self):
         return self.weight.transpose(-2, -1), None, self.bias
 
-    def _stored(self) -> torch.Tensor:
-        return self.weight
-
 
 class Int8Weight(Weight):
     """int8 codes `q_t` (K, N) with unit stride along N and fp32 per-output-channel `qscale` (N,); `bias`."""
@@ -131,6 +126,7 @@ class Int8Weight(Weight):
 
     def __init__(self, q_t: torch.Tensor, qscale: torch.Tensor, bias: torch.Tensor | None = None):
         self.q_t, self.qscale, self.bias, self._native = q_t, qscale, bias, None
+        self.stored = q_t
         self.backend = backend_for(q_t.device, True)  # the native kernel takes int8 with any float token
 
     @property
@@ -143,6 +139,3 @@ class Int8Weight(Weight):
 
     def op_tensors(self):
         return self.q_t, self.qscale, self.bias
-
-    def _stored(self) -> torch.Tensor:
-        return self.q_t

@@ -245,7 +245,7 @@ def test_the_int8_entry_point_comes_from_the_same_cached_library():
     through the one entry point: where the fp32 kernel loads, so does the int8 one."""
     if cg.native_kernel() is None:
         pytest.skip(cg.native_status())
-    assert cg.native_kernel().masked is not None and cg.native_kernel().lanes in (16, 8, 1)
+    assert cg.native_kernel().masked_i8 is not None and cg.native_kernel().lanes in (16, 8, 1)
     assert cg.library_name("cc", cg.BUILD_FLAGS) != cg.library_name("cc", cg.BUILD_FLAGS + ("-DX",))
 
 
@@ -268,7 +268,7 @@ def test_every_int8_inner_loop_matches_float64(native, tmp_path, target, lanes):
         q_t, qs, v, t, _, b = _problem(K, N, torch.float32, "abs", frac, seed=K * N)
         call = cg.NativeCall.bind(q_t, qs, "abs", None, b, library=lib)
         y = torch.empty(N)
-        n = lib.masked(call.operands_address, v.data_ptr(), t, y.data_ptr(), 0, None, 1)
+        n = lib.masked_i8(call.operands_address, v.data_ptr(), t, y.data_ptr(), 1)
         assert n == round(frac * K)
         _assert_close(y.reshape(1, N), _expected(q_t, qs, v, t, "abs", None, b), torch.float32)
 

@@ -189,7 +189,7 @@ __attribute__((constructor)) static void planted(void) {
     FILE* f = fopen("%s", "w");
     if (f) { fputs("planted code ran", f); fclose(f); }
 }
-long rana_masked_gemv(void) { return 0; }
+long rana_masked_gemv_f32(void) { return 0; }
 """
 
 _PROBE = textwrap.dedent("""

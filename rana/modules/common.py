@@ -10,7 +10,7 @@ import torch.nn as nn
 from ..kernels.route import DEFAULT_SPARSITY_BIN, decode_masked, sparsity_bin
 from ..kernels.weights import Weight
 from .int8 import Int8Linear
-from .operands import drop_operands, layer_weight
+from .operands import MASKED, OPERANDS, drop_operands, layer_weight
 
 
 def column_major_linear(weight: torch.Tensor, bias: torch.Tensor | None = None) -> nn.Linear:
@@ -97,8 +97,15 @@ class MaskedDecode:
         return not self.training and not (self if meter is None else meter).meter_on
 
     def decode_weight(self, layer: nn.Module) -> Weight | None:
-        """The operand of `layer`, the matrix this adapter's mask selects rows of (None: a peft wrapper)."""
-        return layer_weight(self, "masked", layer)
+        """The operand of `layer`, the matrix this adapter's mask selects rows of (None: a peft wrapper): kept
+        on this module (rana.modules.operands.layer_weight, whose check of a kept one is spelled out here: this
+        runs per projection per token)."""
+        if not torch.compiler.is_compiling():  # (a traced step keeps nothing: layer_weight)
+            cache = self.__dict__.get(OPERANDS)
+            hit = None if cache is None else cache.get(MASKED)
+            if hit is not None and hit[0] is layer and hit[2](hit[1], layer):
+                return hit[1]
+        return layer_weight(self, MASKED, layer)
 
     # the two below run per projection per token: `decode_open` is spelled out in them (no extra call)
     def decode_grouped(self, x: torch.Tensor, meter=None) -> torch.Tensor | None:

@@ -77,6 +77,8 @@ class DecodeGroup:
 
     def decode(self, x: torch.Tensor, slot: int) -> torch.Tensor | None:
         """Output of member `slot` for one decode token, or None (the member computes its own)."""
+        if self._code is None and not GROUP_EAGER_CPU and eager_cpu(x):
+            return None  # checked first: CPU decoding runs this every token
         outs = self._outputs.get(x)
         if outs is None:
             outs = self._decode(x)
@@ -91,8 +93,6 @@ class DecodeGroup:
         if x.numel() != x.shape[-1]:
             return None
         code = None if self._code is None else self._code()
-        if code is None and not GROUP_EAGER_CPU and eager_cpu(x):
-            return None  # checked first: CPU decoding runs this every token
         members = self.members()
         if any(m is None or m._decode_group is not self or m.training for m in members):
             return None  # a member gone or relinked elsewhere, or training
