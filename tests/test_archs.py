@@ -5,13 +5,15 @@ installed transformers modules, per-layer calibration kwargs (sliding / global l
 gate_up (Phi-3) and the non-gated MLP (GPT-NeoX) for every method."""
 import pkgutil
 import sys
+from dataclasses import replace
 
 import pytest
 import torch
 
 import rana.archs
 from rana.accounting import layer_dims
-from rana.archs import ArchSpec, UnsupportedArchitectureError, decoder_layers, get_arch, supported_model_types
+from rana.archs import (NORM_TYPES, ArchSpec, UnsupportedArchitectureError, decoder_layers, get_arch,
+                        supported_model_types)
 from rana.compress.calibrate import LayerInputs, capture_first_layer_inputs, run_layer
 from rana.compress import compress_model
 from rana.io import load, save
@@ -160,6 +162,60 @@ def test_arch_specifics():
     neox.use_parallel_residual = False
     assert not get_arch(neox).parallel_residual  # follows the config flag
     assert get_arch(tiny_model("phi3").config).gated
+
+
+def test_gpt_neox_alone_declares_layer_norm_and_an_interleaved_qkv():
+    neox, phi3 = get_arch("gpt_neox"), get_arch("phi3")
+    assert neox.norm_type == "layer" and neox.qkv_interleaved
+    assert phi3.qkv_fused and not phi3.qkv_interleaved  # fused, but [all q; all k; all v]
+    others = [get_arch(t) for t in supported_model_types() if t != "gpt_neox"]
+    assert all(s.norm_type == "rms" and not s.qkv_interleaved for s in others)
+    with pytest.raises(ValueError, match="norm_type"):  # a misspelt kind fails at registration
+        replace(get_arch("llama"), norm_type="RMSNorm")
+
+
+@pytest.mark.parametrize("arch", supported_model_types())
+def test_norm_type_matches_the_installed_transformers(arch):
+    """`norm_type` "layer" exactly where the model's norms subtract the mean (shifting the input changes nothing)."""
+    model = tiny_model(arch)
+    spec = get_arch(model.config)
+    assert spec.norm_type in NORM_TYPES
+    norm = model.get_submodule(spec.final_norm)
+    x = torch.randn(3, norm.weight.shape[0], generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        shift_invariant = torch.allclose(norm(x + 5.0), norm(x), atol=1e-5)
+    assert shift_invariant == (spec.norm_type == "layer")
+
+
+def _value_rows(spec: ArchSpec, n_heads: int, n_kv: int, hd: int) -> torch.Tensor:
+    """v's rows in a fused qkv, as the spec's layout places them."""
+    if spec.qkv_interleaved:  # per head [q, k, v]
+        return torch.cat([torch.arange(3 * h * hd + 2 * hd, 3 * (h + 1) * hd) for h in range(n_heads)])
+    return torch.arange((n_heads + n_kv) * hd, (n_heads + 2 * n_kv) * hd)  # [all q; all k; all v]
+
+
+@pytest.mark.parametrize("arch", [arch for arch in ARCHS if get_arch(arch).qkv_fused])
+@pytest.mark.parametrize("keep", ["only v", "all but v"])
+def test_qkv_interleaved_matches_the_installed_transformers(arch, keep):
+    """The rows the layout names as v's are what the attention mixes into o's input: kept alone (q = k = 0:
+    uniform attention over v) o reads something; zeroed alone, o reads exactly nothing."""
+    model = tiny_model(arch)
+    spec = get_arch(model.config)
+    d = layer_dims(model.config)[0]
+    layer = decoder_layers(model, spec)[0]
+    qkv = layer.get_submodule(spec.qkv_paths()["qkv"])
+    is_v = torch.zeros(qkv.out_features, dtype=torch.bool)
+    is_v[_value_rows(spec, d.n_heads, d.kv_out // d.head_dim, d.head_dim)] = True
+    zeroed = ~is_v if keep == "only v" else is_v
+    seen = []
+    hook = layer.get_submodule(spec.o_path()).register_forward_pre_hook(lambda _m, args: seen.append(args[0]))
+    with torch.no_grad():
+        qkv.weight[zeroed] = 0
+        if qkv.bias is not None:
+            qkv.bias[zeroed] = 0
+        model(_ids())
+    hook.remove()
+    assert bool(seen[0].abs().max() > 0) == (keep == "only v")
 
 
 def test_unknown_architecture_says_what_is_supported_and_how_to_add_one():

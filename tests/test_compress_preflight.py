@@ -12,6 +12,7 @@ import rana.compress.config
 import rana.compress.job
 import rana.compress.memory
 import rana.compress.residency
+import rana.compress.resource_types
 import rana.compress.resources
 import rana.compress.run
 import rana.compress.streaming
@@ -61,7 +62,7 @@ def test_the_cli_checks_once_and_hands_the_resources_down(tmp_path, calib_file, 
     monkeypatch.setattr(CompressConfig, "validate", lambda self: (validated.append(self), real_validate(self))[1])
     work_dirs = counting(monkeypatch, rana.compress.job, "check_work_dir")
     inputs = counting(monkeypatch, rana.compress.job, "check_inputs")
-    caps = counting(monkeypatch, rana.compress.resources, "parse_memory")
+    caps = counting(monkeypatch, rana.compress.resource_types, "parse_memory")  # in Resources.of
     checked_early = counting(monkeypatch, rana.compress.resources, "check_memory")
     checked_late = counting(monkeypatch, rana.compress.residency, "check_memory")
     decided = []

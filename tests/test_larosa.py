@@ -3,6 +3,7 @@ at the budget, save/load/export with the untied head, refusals where invariance 
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 
 import pytest
 import torch
@@ -172,3 +173,16 @@ def test_heads_only_ablation_is_exact_and_meets_its_budget(arch):
                             tiny_calibration())
     assert result.plan["measured_flops"] == pytest.approx(0.7, abs=0.01)
     assert "interleaves" in get_method("larosa-heads").unsupported_reason(get_arch("gpt_neox"))
+
+
+def test_refusals_follow_the_spec_flags_not_the_model_type():
+    """LayerNorm (`norm_type`) and a per-head interleaved fused qkv (`qkv_interleaved`) are read off the spec:
+    a Llama spec declaring them is refused, a GPT-NeoX spec declaring neither is not."""
+    llama, neox = get_arch("llama"), get_arch("gpt_neox")
+    larosa = get_method("larosa")
+    assert "LayerNorm subtracts the mean" in larosa.unsupported_reason(replace(llama, norm_type="layer"))
+    assert larosa.unsupported_reason(replace(neox, norm_type="rms", parallel_residual=False)) is None
+    for name in ("larosa-heads", "rana-heads"):
+        heads_only = get_method(name)
+        assert "interleaves q, k and v" in heads_only.unsupported_reason(replace(llama, qkv_interleaved=True))
+        assert heads_only.unsupported_reason(replace(neox, qkv_interleaved=False)) is None

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import math
+from dataclasses import replace
 
 import pytest
 import torch
@@ -225,3 +226,17 @@ def test_refusals_are_one_line():
     with pytest.raises(UnsupportedArchitectureError, match="wina-ortho.*changed") as err:
         get_method("wina-ortho").prepare(model, spec, tiny_calibration().fit, batch_size=4, streamed=False)
     assert "\n" not in str(err.value)
+
+
+@pytest.mark.parametrize("arch,interleaved", [("llama", True), ("gpt_neox", False)])
+def test_head_rotations_follow_the_spec_flag_not_the_model_type(arch, interleaved):
+    """o's input is rotated per KV head unless the spec says the fused qkv interleaves v's rows
+    (`qkv_interleaved`): a Llama spec saying so leaves o alone, a GPT-NeoX spec saying not rotates it."""
+    model = perturbed_tiny_model(arch)
+    spec = replace(get_arch(model.config), qkv_interleaved=interleaved)
+    o = decoder_layers(model, spec)[0].get_submodule(spec.o_path()).weight
+    before = o.detach().clone()
+    done = rotate_model(model, spec)
+    assert done["head_rotations"].startswith("none") == interleaved
+    # o writes the residual stream, which wina-ortho leaves unrotated: only the head rotations move it
+    assert torch.equal(decoder_layers(model, spec)[0].get_submodule(spec.o_path()).weight, before) == interleaved

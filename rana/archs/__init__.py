@@ -1,6 +1,7 @@
 """Architecture registry: one small file per architecture."""
 from .base import (
     BLOCKS,
+    NORM_TYPES,
     ROLES,
     ArchSpec,
     UnsupportedArchitectureError,
@@ -17,6 +18,7 @@ from . import (gemma, gemma2, gemma3_text, gpt_neox, granite, llama, mistral, ol
 
 __all__ = [
     "BLOCKS",
+    "NORM_TYPES",
     "ROLES",
     "ArchSpec",
     "UnsupportedArchitectureError",

@@ -19,6 +19,7 @@ from ..errors import UserError
 
 BLOCKS = ("attention", "mlp")
 ROLES = ("qkv_in", "o", "mlp_in", "down")
+NORM_TYPES = ("rms", "layer")  # ArchSpec.norm_type: RMSNorm, LayerNorm
 
 
 @dataclass(frozen=True)
@@ -39,6 +40,9 @@ class ArchSpec:
     k: str | None = "k_proj"
     v: str | None = "v_proj"
     qkv_fused: str | None = None
+    # how a fused qkv's rows are laid out: False stacks [all q; all k; all v] (Phi-3), True interleaves
+    # them per head, [q, k, v] of head 0, then of head 1, ... (GPT-NeoX): v's rows are then not one block
+    qkv_interleaved: bool = False
     o: str = "o_proj"
     # MLP projections, relative to `mlp`; `gate` is None for non-gated MLPs
     up: str | None = "up_proj"  # None when `gate_up_fused` holds both
@@ -54,6 +58,10 @@ class ArchSpec:
     router: str | None = None
     num_experts_config: str = "num_experts"
     expert_intermediate_config: str = "intermediate_size"
+    # what every norm of the model computes: "rms" (RMSNorm, x / rms(x) times a scale; Gemma's `1 + w`
+    # scale too) or "layer" (LayerNorm, which subtracts the mean first: GPT-NeoX). A rotation folded
+    # through a norm needs "rms": subtracting the mean does not commute with it.
+    norm_type: str = "rms"
     # Residual structure. `attn_norm` is the attention's pre-norm: the module that receives the
     # residual stream the attention output is added back to (likewise `mlp_norm` for the MLP).
     # None: the block has no pre-norm and reads the residual stream itself (OLMo 2 normalises only
@@ -72,6 +80,10 @@ class ArchSpec:
     # `use_parallel_residual`); `get_arch(config)` then returns the spec with it applied
     parallel_residual_config: str | None = None
     notes: str = field(default="", compare=False)
+
+    def __post_init__(self):
+        if self.norm_type not in NORM_TYPES:  # a misspelt kind would pass every `== "layer"` test unnoticed
+            raise ValueError(f"ArchSpec.norm_type must be one of {NORM_TYPES}, got {self.norm_type!r}")
 
     @property
     def gated(self) -> bool:

@@ -1,6 +1,7 @@
 """GPT-NeoX / Pythia: non-gated GELU MLP (`dense_h_to_4h` → `act` → `dense_4h_to_h`), fused
 `query_key_value` (rows interleaved per head; adapted as one stacked matrix, so the layout does
-not matter), `dense` as the output projection, and a parallel residual
+not matter there, but methods that pick k's or v's rows read `qkv_interleaved`), `dense` as the
+output projection, LayerNorm (with a mean) rather than RMSNorm, and a parallel residual
 `x + attn(ln1 x) + mlp(ln2 x)` when `config.use_parallel_residual` (Pythia: always).
 
 The checkpoints call the LM head `embed_out`; transformers ≥ 5 renames it to `lm_head` on load
@@ -18,11 +19,13 @@ GPT_NEOX = register(ArchSpec(
     k=None,
     v=None,
     qkv_fused="query_key_value",
+    qkv_interleaved=True,
     o="dense",
     up="dense_h_to_4h",
     gate=None,
     down="dense_4h_to_h",
     act="act",
+    norm_type="layer",
     attn_norm="input_layernorm",
     mlp_norm="post_attention_layernorm",
     parallel_residual=True,

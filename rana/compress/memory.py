@@ -11,8 +11,6 @@ estimate and the measured peak.
 from __future__ import annotations
 
 import resource
-from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import torch
 
@@ -22,31 +20,11 @@ from ..archs import get_arch, text_config
 from ..methods import get_method
 from ..units import dtype_bytes, fmt_bytes
 from ..errors import UserError
-
-if TYPE_CHECKING:  # resources.py builds on this module
-    from .resources import Resources
+from .resource_types import MemoryEstimate, Resources
 
 
 class MemoryBudgetError(UserError):
     """--max-memory is too small for one layer of this model (user-facing)."""
-
-
-@dataclass
-class MemoryEstimate:
-    """Peak compute-device bytes of compressing one layer, by part."""
-
-    parts: dict[str, float]
-    device: str
-
-    @property
-    def total(self) -> float:
-        return sum(self.parts.values())
-
-    def describe(self) -> str:
-        return ", ".join(f"{k} {fmt_bytes(v)}" for k, v in self.parts.items() if v)
-
-    def to_dict(self) -> dict:
-        return {"device": self.device, "total_bytes": self.total, "parts_bytes": dict(self.parts)}
 
 
 def _largest_layer_bytes(dims, e: int) -> float:

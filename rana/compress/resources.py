@@ -1,4 +1,6 @@
 """`Resources`: where one compression runs and within what memory, decided once and handed down.
+The type lives in `rana.compress.resource_types`, below the modules that read it, and is re-exported
+here; this module decides its values.
 
 `decide_resources(config)` (the last step of `rana.compress.preflight`) fixes, before any weight is
 read: this process's compute device (its own GPU under `accelerate launch`), the --max-memory cap in
@@ -9,38 +11,16 @@ re-deriving them from the config.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
-from pathlib import Path
+from dataclasses import replace
 
-import torch
 from transformers import AutoConfig
 
 from ..archs import get_arch
 from ..io.models import resolve
-from ..units import parse_memory
 from .distributed import setup_from_env
-from .memory import MemoryEstimate, check_memory, estimate_memory
+from .memory import check_memory, estimate_memory
+from .resource_types import Resources
 from .streaming import checkpoint_folder
-
-
-@dataclass(frozen=True)
-class Resources:
-    """What one compression may use (see the module docstring)."""
-
-    device: torch.device  # the compute device
-    offload: torch.device  # where the decoder stack waits between its layers' turns (host RAM)
-    max_memory: str | None  # --max-memory as given (for messages and plan.json)
-    cap: float | None  # the same in bytes
-    work_dir: Path | None  # --offload-dir: compressed layers and spilled activations
-    stream_from: Path | None = None  # the checkpoint folder the decoder layers are streamed from, if they are
-    estimate: MemoryEstimate | None = None  # one layer's peak need, checked against `cap` (None: not checked yet)
-
-    @classmethod
-    def of(cls, config) -> Resources:
-        """The resources a validated config names, before anything is known of the model."""
-        return cls(device=torch.device(config.device), offload=torch.device(config.offload_device),
-                   max_memory=config.max_memory, cap=parse_memory(config.max_memory),
-                   work_dir=Path(config.offload_dir) if config.offload_dir else None)
 
 
 def setup_distributed(config):

@@ -11,7 +11,6 @@ from __future__ import annotations
 import ctypes
 import re
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 import torch
 import torch.nn as nn
@@ -24,9 +23,7 @@ from ..io.format import WEIGHTS_INDEX, ModelLoadError, tied_keys
 from ..io.models import load_model, resolve
 from ..io.weightfiles import check_safetensors_file, check_safetensors_folder, index_shards
 from ..units import DTYPES
-
-if TYPE_CHECKING:  # resources.py decides what this module loads, and builds on it
-    from .resources import Resources
+from .resource_types import Resources
 
 
 def set_tensor(module: nn.Module, dotted: str, tensor: torch.Tensor) -> None:

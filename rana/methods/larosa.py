@@ -25,11 +25,12 @@ embeddings: the head absorbs the final norm's scale and no longer equals the rot
 
 Thresholds: one magnitude threshold per projection at the layer's fraction, set on fit tokens of
 the rotated model (as `teal`). Needs invariance: RMSNorm (a Gemma-style `1 + w` scale too) on a
-sequential pre-norm residual; post-norms (Gemma 2/3, OLMo 2, which has no pre-norms at all) and
-LayerNorm with a parallel residual (GPT-NeoX) are refused. Scalar multipliers on the embeddings, the
-residual adds and the logits (Granite) commute with the rotation. `larosa-heads` (o's input only)
-needs none of this and runs wherever v's rows per KV head are contiguous. The rotation is fitted on
-the dense model before the layer loop (all of it in memory: not with layers streamed from disk).
+sequential pre-norm residual; post-norms (Gemma 2/3, OLMo 2, which has no pre-norms at all),
+LayerNorm (`ArchSpec.norm_type`) and a parallel residual (GPT-NeoX has both) are refused. Scalar
+multipliers on the embeddings, the residual adds and the logits (Granite) commute with the rotation.
+`larosa-heads` (o's input only) needs none of this and runs wherever v's rows per KV head are
+contiguous (not a fused qkv interleaved per head, `ArchSpec.qkv_interleaved`). The rotation is fitted
+on the dense model before the layer loop (all of it in memory: not with layers streamed from disk).
 """
 from __future__ import annotations
 
@@ -56,16 +57,17 @@ def unsupported(spec: ArchSpec) -> str | None:
     if spec.attn_norm is None or spec.mlp_norm is None:
         return ("method 'larosa' folds its rotation through each block's pre-norm: this architecture has none "
                 "(its blocks read the raw residual stream); use teal or rana")
-    if spec.parallel_residual or "gpt_neox" in spec.model_types:
-        return ("method 'larosa' needs RMSNorm on a sequential residual: GPT-NeoX's LayerNorm subtracts the mean, "
-                "which a folded rotation cannot pass through; use teal or rana")
+    if spec.norm_type != "rms" or spec.parallel_residual:
+        obstacle = ("this architecture's LayerNorm subtracts the mean, which a folded rotation cannot pass through"
+                    if spec.norm_type == "layer" else "this architecture adds its blocks to the residual in parallel")
+        return f"method 'larosa' needs RMSNorm on a sequential residual: {obstacle}; use teal or rana"
     return None
 
 
 def _heads_unsupported(spec: ArchSpec) -> str | None:
-    if "gpt_neox" in spec.model_types:
-        return ("method 'larosa-heads' needs v's rows per KV head in one block: GPT-NeoX interleaves q, k and v "
-                "per head in its fused query_key_value; use teal or rana")
+    if spec.qkv_interleaved:
+        return ("method 'larosa-heads' needs v's rows per KV head in one block: this architecture interleaves q, k "
+                f"and v per head in its fused {spec.qkv_fused}; use teal or rana")
     return None
 
 

@@ -18,7 +18,8 @@ through computational invariance. Here:
 - **o's input, per KV head, free.** V of o's column block of each KV group (the query heads of a
   GQA group stacked) is folded into v's output rows and o's input columns (as `larosa-heads`):
   o's columns become orthogonal within each head (within each group's stacked heads under GQA),
-  at 0 MACs. Not on GPT-NeoX, whose fused qkv interleaves v's rows per head: o is plain there.
+  at 0 MACs. Not where the fused qkv interleaves v's rows per head (`ArchSpec.qkv_interleaved`,
+  GPT-NeoX): o is plain there.
 - **down** keeps WINA's plain criterion (its input follows the nonlinearity).
 
 Then WINA exactly as `wina` (|x_j|·‖W'[:, j]‖ on the rotated inputs, each projection at the
@@ -80,7 +81,7 @@ def _key_weight(layer: nn.Module, spec: ArchSpec, n_heads: int, n_kv: int, hd: i
     if "k" in paths:
         return layer.get_submodule(paths["k"]).weight
     W = layer.get_submodule(paths["qkv"]).weight
-    if "gpt_neox" in spec.model_types:
+    if spec.qkv_interleaved:
         return W.reshape(n_heads, 3, hd, -1)[:, 1].reshape(n_heads * hd, -1)
     return W[n_heads * hd:(n_heads + n_kv) * hd]
 
@@ -124,7 +125,8 @@ def rotate_model(model: nn.Module, spec: ArchSpec, *, heads: bool = True) -> dic
     """Rotate every block's normalised input (k's / gate's V) and, unless `heads` is False or the
     arch interleaves v, o's input per KV head (o's V per group, folded into v and o). Exact."""
     d, n_layers, n_heads, n_kv, hd = _dims(model.config)
-    fold_heads = heads and "gpt_neox" not in spec.model_types
+    fold_heads = heads and not spec.qkv_interleaved  # v's rows per KV head must be one block (`_value_rows`)
+    no_heads_why = "this architecture interleaves v's rows per head" if spec.qkv_interleaved else "not asked for"
     mlp_readers = [p for name, p in spec.mlp_paths().items() if name != "down"]
     for layer in decoder_layers(model, spec):
         if isinstance(layer.get_submodule(spec.attn_norm), RotatedInput):
@@ -143,7 +145,7 @@ def rotate_model(model: nn.Module, spec: ArchSpec, *, heads: bool = True) -> dic
                            "attention's and the MLP's normalised input; their readers hold W V",
         "head_rotations": (f"{n_kv} {hd}x{hd} rotations per layer (V of o's columns per KV group) folded into v_proj "
                            "rows and o_proj columns: 0 MACs") if fold_heads else
-                          "none (GPT-NeoX interleaves v's rows per head): o's input is not rotated",
+                          f"none ({no_heads_why}): o's input is not rotated",
         "down_input": "not rotated: WINA's plain criterion",
         "runtime_rotation_macs_per_token": rotation_macs(model.config),
         "extra_stored_parameters": 2 * n_layers * d * d,

@@ -1,11 +1,18 @@
-"""`QuantizeConfig`: what `rana quantize` is asked to do, each option written once (`rana.settings`)."""
+"""`QuantizeConfig`: what `rana quantize` is asked to do, each option written once (`rana.settings`); the
+command's `QuantizeError` and `DEFAULT_CALIB_TOKENS`, which run.py builds on (and re-exports)."""
 from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
 
+from ..errors import UserError
 from ..settings import Settings, setting
-from .run import DEFAULT_CALIB_TOKENS, QuantizeError
+
+DEFAULT_CALIB_TOKENS = 8192  # --calib-tokens' default (also bench_int8's)
+
+
+class QuantizeError(UserError):
+    """A model or folder that cannot be quantized (user-facing: one line)."""
 
 
 @dataclass
@@ -34,4 +41,4 @@ class QuantizeConfig(Settings):
             raise QuantizeError(f"--batch-size must be a positive integer, got {self.batch_size}")
 
 
-__all__ = ["QuantizeConfig"]
+__all__ = ["DEFAULT_CALIB_TOKENS", "QuantizeConfig", "QuantizeError"]

@@ -32,7 +32,6 @@ import math
 import os
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 import torch
 import torch.nn as nn
@@ -51,17 +50,11 @@ from ..modules.experts import InputSparseExperts
 from ..modules.rebuild import int8_form, int8_paths
 from ..modules.registry import declared
 from ..units import Progress
-from ..errors import UserError
-
-if TYPE_CHECKING:  # config.py builds on this module
-    from .config import QuantizeConfig
+# config.py sits below this module and holds what both need; DEFAULT_CALIB_TOKENS and QuantizeError stay
+# importable from here too (__all__)
+from .config import DEFAULT_CALIB_TOKENS, QuantizeConfig, QuantizeError
 
 SCORE_ELEMENTS = 1 << 24  # scores kept per adapter while refitting its threshold (rows × mask width)
-DEFAULT_CALIB_TOKENS = 8192
-
-
-class QuantizeError(UserError):
-    """A model or folder that cannot be quantized (user-facing: one line)."""
 
 
 class _Stop(Exception):
