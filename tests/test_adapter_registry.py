@@ -149,23 +149,19 @@ from __future__ import annotations
 import torch
 import torch.nn as nn
 
-from .common import MacMeter, MaskedDecode, column_major_linear, restore_layouts
+from .common import Adapter, MacMeter, MaskedDecode, column_major_linear
 from .registry import register_adapter
 
 
 @register_adapter
-class ScaledInputSparse(MaskedDecode, MacMeter, nn.Module):
+class ScaledInputSparse(MaskedDecode, MacMeter, Adapter, nn.Module):
+    # what differs from the Adapter defaults
     spec_type = "toy_scaled_input_sparse"
     spec_fields = {"in": "size", "out": "size", "threshold": "threshold"}
     linear_children = ("linear",)
-    bare_weights = False
     decode_mode = "abs"
-    groupable = False
     self_guided = "unmasked"
     refit = "own"
-    rank_code = False
-    norms_child = None
-    int8_form = None
 
     def __init__(self, weight: torch.Tensor, threshold: float):
         super().__init__()
@@ -182,9 +178,6 @@ class ScaledInputSparse(MaskedDecode, MacMeter, nn.Module):
     @classmethod
     def from_spec(cls, s: dict, zeros, threshold: float, **_):
         return cls(zeros(s["out"], s["in"]), threshold)
-
-    def restore(self, root: nn.Module) -> None:
-        restore_layouts(self)
 
     def unmasked(self, x: torch.Tensor) -> torch.Tensor:
         return self.scale * self.linear(x)

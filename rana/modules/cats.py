@@ -4,29 +4,22 @@ from __future__ import annotations
 import torch
 import torch.nn as nn
 
-from .common import MacMeter, restore_layouts
+from .common import Adapter, MacMeter
 from .registry import register_adapter
 
 
 @register_adapter
-class CatsActivation(MacMeter, nn.Module):
+class CatsActivation(MacMeter, Adapter, nn.Module):
     """`a ⊙ 1{|a| ≥ t}` with `a = act(gate x)`; owns the up/down cost of the kept neurons.
 
     Zeroed neurons make `a ⊙ up(x)` zero there, so up's rows and down's columns for them are
     never needed: this module meters `(hidden + hidden)·E[k]` MACs for up and down together.
     """
 
-    spec_type = "cats"  # wraps the activation module found at its path
+    spec_type = "cats"  # wraps the activation module found at its path (the projections around it stay plain
+    #                     linears; it masks an activation: no GEMV of its own)
     spec_fields = {"hidden": "size", "intermediate": "size", "threshold": "threshold"}
-    linear_children = ()  # the projections around it stay plain linears
-    bare_weights = False
-    decode_mode = None  # masks an activation: no GEMV of its own
-    groupable = False
-    self_guided = None
     refit = "own"  # on |act(gate)|
-    rank_code = False
-    norms_child = None
-    int8_form = None
 
     def to_spec(self, root: nn.Module) -> dict:
         return {"hidden": self.hidden, "intermediate": self.intermediate, "threshold": float(self.threshold)}
@@ -42,9 +35,6 @@ class CatsActivation(MacMeter, nn.Module):
         self.hidden, self.intermediate = hidden, intermediate
         self.macs_dense = float(2 * hidden * intermediate)
         self._init_meter()
-
-    def restore(self, root: nn.Module) -> None:
-        restore_layouts(self)
 
     def mask_width(self) -> int:
         return self.intermediate

@@ -76,6 +76,28 @@ def _input_major_stacks(module: nn.Module) -> None:
             p.data = p.data.transpose(1, 2).contiguous().transpose(1, 2)
 
 
+class Adapter:
+    """The base of every adapter kind: each declaration rana.modules.registry lists, with the value most kinds
+    share, so that a kind declares only what differs (as peft's tuner layers take theirs from BaseTunerLayer):
+    no linear children, no weights of its own, no masked-GEMV decode, not grouped, not blended by the
+    self-guided start, no threshold refit, no rank code, no column norms, no int8 form of its own; after a load
+    or a LoRA merge its weights are put back in their decode layouts."""
+
+    linear_children: tuple[str, ...] = ()
+    bare_weights = False
+    decode_mode: str | None = None
+    groupable = False
+    self_guided: str | None = None
+    refit: str | None = None
+    rank_code = False
+    norms_child: str | None = None
+    int8_form = None
+
+    def restore(self, root: nn.Module) -> None:
+        """Its weights were replaced (a load, a LoRA merge): their decode layouts again."""
+        restore_layouts(self)
+
+
 class MaskedDecode:
     """The decode gate every masked adapter shares, written once.
 
@@ -88,7 +110,7 @@ class MaskedDecode:
     backend is chosen again for where the tensors now are.
     """
 
-    decode_mode: str | None  # declared by every adapter kind (rana.modules.registry)
+    decode_mode: str | None  # its kind's mask mode (rana.modules.registry)
     _decode_group = None  # the sibling group (rana.modules.groups.DecodeGroup) this adapter decodes in, and its slot
     _decode_slot: int = 0
 

@@ -25,7 +25,7 @@ from transformers.activations import ACT2FN
 from ..errors import UserError
 from ..kernels.route import decode_expert_masked
 from ..kernels.weights import FloatWeight
-from .common import MacMeter, MaskedDecode, restore_layouts
+from .common import Adapter, MacMeter, MaskedDecode
 from .operands import keep_operand, kept_operand
 from .registry import register_adapter
 
@@ -39,21 +39,15 @@ def _input_major(weight: torch.Tensor) -> nn.Parameter:
 
 
 @register_adapter
-class InputSparseExperts(MaskedDecode, MacMeter, nn.Module):
+class InputSparseExperts(MaskedDecode, MacMeter, Adapter, nn.Module):
     """Stacked experts with per-expert magnitude thresholds on their input and on their down
     projection's input (`in_threshold`, `down_threshold`: [E] float32 buffers, -inf keeps all)."""
 
     spec_type = "moe_input_sparse"
     spec_fields = {"experts": "size", "in": "size", "inter": "size", "top_k": "size", "act": ACTIVATIONS}
-    linear_children = ()
     bare_weights = True  # stacked 3-D [E, out, in] parameters: LoRA cannot wrap them, --full trains them
-    decode_mode = None  # the expert-indexed masked GEMV (rana::expert_masked_gemv) takes no mode
-    groupable = False
-    self_guided = None
-    refit = None  # per-expert thresholds, not refit (int8 has no form for stacked experts)
-    rank_code = False
-    norms_child = None
-    int8_form = None
+    # (no decode_mode: the expert-indexed masked GEMV takes none; no refit: per-expert thresholds, and int8 has no
+    # form for stacked experts)
     _float32_buffers = ("in_threshold", "down_threshold")
 
     def to_spec(self, root: nn.Module) -> dict:
@@ -78,9 +72,6 @@ class InputSparseExperts(MaskedDecode, MacMeter, nn.Module):
         # what the top-k experts cost one token dense: gate and up (2I x H) and down (H x I) each
         self.macs_dense = float(self.top_k * 3 * self.intermediate_dim * self.hidden_dim)
         self._init_meter()
-
-    def restore(self, root: nn.Module) -> None:
-        restore_layouts(self)  # the stacked weights input-major
 
     def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor):
         if hidden_states.shape[0] == 1 and self.decode_open():

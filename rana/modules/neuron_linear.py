@@ -6,7 +6,7 @@ import torch
 import torch.nn as nn
 
 from ..kernels.weights import FloatWeight
-from .common import MacMeter, MaskedDecode, column_major_linear, restore_layouts
+from .common import Adapter, MacMeter, MaskedDecode, column_major_linear, restore_layouts
 from .int8 import own_int8_weight
 from .operands import keep_operand, kept_operand
 from .registry import register_adapter
@@ -15,15 +15,12 @@ from .registry import register_adapter
 class ThresholdedLinearSpec:
     """What an adapter that is one thresholded `linear` declares alike (its `spec_type` and the rest are the
     class's own): the rana_config.json entry (in, out, bias, threshold, and the empty module of those
-    shapes), its linear child, its threshold refit on its own input (|x|), no rank code, no int8 form of
-    its own (its child is quantized)."""
+    shapes), its linear child, its threshold refit on its own input (|x|); no int8 form of its own (its child
+    is quantized: the Adapter default)."""
 
     spec_fields = {"in": "size", "out": "size", "bias": "flag", "threshold": "threshold"}
     linear_children = ("linear",)
-    bare_weights = False
     refit = "own"
-    rank_code = False
-    int8_form = None
 
     def to_spec(self, root: nn.Module) -> dict:
         return {"in": self.in_features, "out": self.out_features, "bias": self.linear.bias is not None,
@@ -45,7 +42,7 @@ class ThresholdedLinearSpec:
 
 
 @register_adapter
-class NeuronThresholdLinear(ThresholdedLinearSpec, MaskedDecode, MacMeter, nn.Module):
+class NeuronThresholdLinear(ThresholdedLinearSpec, MaskedDecode, MacMeter, Adapter, nn.Module):
     """`W (m ⊙ h)` with `m_i = 1{|h_i|·‖W[:, i]‖ ≥ t}` (RaNA's down projection, Eq. 12)."""
 
     spec_type = "neuron"
@@ -107,14 +104,13 @@ class NeuronThresholdLinear(ThresholdedLinearSpec, MaskedDecode, MacMeter, nn.Mo
 
 
 @register_adapter
-class InputSparseLinear(ThresholdedLinearSpec, MaskedDecode, MacMeter, nn.Module):
+class InputSparseLinear(ThresholdedLinearSpec, MaskedDecode, MacMeter, Adapter, nn.Module):
     """`W (m ⊙ x)` with `m_j = 1{|x_j| ≥ t}`: TEAL's training-free magnitude sparsity."""
 
     spec_type = "input_sparse"
     decode_mode = "abs"
     groupable = True
     self_guided = "unmasked"
-    norms_child = None
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, threshold: float):
         super().__init__()
@@ -123,9 +119,6 @@ class InputSparseLinear(ThresholdedLinearSpec, MaskedDecode, MacMeter, nn.Module
         self.in_features, self.out_features = weight.shape[1], weight.shape[0]
         self.macs_dense = float(self.in_features * self.out_features)
         self._init_meter()
-
-    def restore(self, root: nn.Module) -> None:
-        restore_layouts(self)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = self.decode_grouped(x)
@@ -152,7 +145,7 @@ class InputSparseLinear(ThresholdedLinearSpec, MaskedDecode, MacMeter, nn.Module
 
 
 @register_adapter
-class SparseLowRankLinear(MaskedDecode, MacMeter, nn.Module):
+class SparseLowRankLinear(MaskedDecode, MacMeter, Adapter, nn.Module):
     """`W (m ⊙ x) + A B ((1 − m) ⊙ x)` with `m_j = 1{|x_j| ≥ t}` (R-Sparse).
 
     The inputs kept by the magnitude mask go through the full weight; the ones it drops are not
@@ -165,14 +158,9 @@ class SparseLowRankLinear(MaskedDecode, MacMeter, nn.Module):
     # rank: the side path's (0 would be plain magnitude sparsity; counted, not refused)
     spec_fields = {"in": "size", "out": "size", "rank": "count", "bias": "flag", "threshold": "threshold"}
     linear_children = ("linear", "side_in", "side_out")  # LoRA skips a rank-0 side path's empty linears
-    bare_weights = False
-    decode_mode = "abs"
-    groupable = False  # the side path runs beside the masked GEMV
-    self_guided = None  # no dense twin: the side path approximates what the mask drops
-    refit = "own"
-    rank_code = False
-    norms_child = None
-    int8_form = None
+    decode_mode = "abs"  # (not groupable: the side path runs beside the masked GEMV)
+    refit = "own"  # (not blended by the self-guided start: no dense twin, the side path approximates what the
+    #                mask drops)
 
     def to_spec(self, root: nn.Module) -> dict:
         return {"in": self.in_features, "out": self.out_features, "rank": self.rank,
@@ -193,9 +181,6 @@ class SparseLowRankLinear(MaskedDecode, MacMeter, nn.Module):
         self.in_features, self.out_features, self.rank = weight.shape[1], weight.shape[0], B.shape[0]
         self.macs_dense = float(self.in_features * self.out_features)
         self._init_meter()
-
-    def restore(self, root: nn.Module) -> None:
-        restore_layouts(self)
 
     def mask_width(self) -> int:
         return self.in_features
@@ -222,7 +207,7 @@ class SparseLowRankLinear(MaskedDecode, MacMeter, nn.Module):
 
 
 @register_adapter
-class InputSparseHead(MaskedDecode, MacMeter, nn.Module):
+class InputSparseHead(MaskedDecode, MacMeter, Adapter, nn.Module):
     """The LM head as input sparsity: `W (m ⊙ x)`, `m_j = 1{|x_j| ≥ t}` on the final normed hidden state.
 
     Unlike InputSparseLinear, the weight is this module's own `weight` parameter (not a child
@@ -242,14 +227,9 @@ class InputSparseHead(MaskedDecode, MacMeter, nn.Module):
     # input embedding's, stored once under the embedding's key (absent from older folders)
     spec_fields = {"in": "size", "out": "size", "bias": "flag", "threshold": "head_threshold", "tied": "flag"}
     spec_defaults = {"tied": False}
-    linear_children = ()
     bare_weights = True  # its own `weight` (maybe the embedding's): LoRA cannot wrap it, --full trains it
     decode_mode = "abs"
-    groupable = False
-    self_guided = None
     refit = "own"
-    rank_code = False
-    norms_child = None
 
     def to_spec(self, root: nn.Module) -> dict:
         embeddings = root.get_input_embeddings() if hasattr(root, "get_input_embeddings") else None

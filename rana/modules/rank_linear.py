@@ -12,7 +12,7 @@ import weakref
 import torch
 import torch.nn as nn
 
-from .common import ByInput, MacMeter, MaskedDecode, column_major_linear, restore_layouts, row_major_linear
+from .common import Adapter, ByInput, MacMeter, MaskedDecode, column_major_linear, row_major_linear
 from .groups import MAX_GROUP, DecodeGroup
 from .int8 import Int8Linear
 from .operands import layer_weight
@@ -20,11 +20,8 @@ from .registry import register_adapter
 
 
 class RankCode:
-    """What the two kinds computing a rank code ``z = B x`` (B row-major, the mask on ``z²``) share:
-    their layouts after a load, and the mask `rana quantize` refits."""
-
-    def restore(self, root: nn.Module) -> None:
-        restore_layouts(self)
+    """What the two kinds computing a rank code ``z = B x`` (B row-major, the mask on ``z²``) share: the mask
+    `rana quantize` refits."""
 
     def mask_width(self) -> int:
         return self.rank
@@ -34,7 +31,7 @@ class RankCode:
 
 
 @register_adapter
-class RankAdapterLinear(RankCode, MaskedDecode, MacMeter, nn.Module):
+class RankAdapterLinear(RankCode, MaskedDecode, MacMeter, Adapter, nn.Module):
     """Drop-in for an nn.Linear: children `B` (i → r) and `A` (r → o, carries the bias).
 
     B is read whole every token (row-major, nn.Linear's own layout); A is read by kept rank only
@@ -45,14 +42,11 @@ class RankAdapterLinear(RankCode, MaskedDecode, MacMeter, nn.Module):
     spec_fields = {"in": "size", "out": "size", "rank": "size", "bias": "flag", "threshold": "threshold"}
     linear_children = ("B", "A")
     row_major_children = ("B",)
-    bare_weights = False
     decode_mode = "square"
     groupable = True
     self_guided = "dense"  # blended with the original dense weight of the projection it replaced
     refit = "own"
     rank_code = True
-    norms_child = None
-    int8_form = None
 
     def to_spec(self, root: nn.Module) -> dict:
         return {"in": self.in_features, "out": self.out_features, "rank": self.rank,
@@ -110,7 +104,7 @@ class RankAdapterLinear(RankCode, MaskedDecode, MacMeter, nn.Module):
 
 
 @register_adapter
-class SharedRankCode(RankCode, MacMeter, nn.Module):
+class SharedRankCode(RankCode, MacMeter, Adapter, nn.Module):
     """B and its masker for stacked q/k/v: computes `m ⊙ (B x)` once per input tensor.
 
     The three projections are called with the *same* tensor in every supported attention
@@ -124,14 +118,9 @@ class SharedRankCode(RankCode, MacMeter, nn.Module):
     spec_fields = {"in": "size", "out": "size", "rank": "size", "consumers": "size", "threshold": "threshold"}
     linear_children = ("B",)
     row_major_children = ("B",)
-    bare_weights = False
-    decode_mode = "square"  # its consumers' A in one grouped launch (their DecodeGroup)
-    groupable = False  # it groups its own consumers
-    self_guided = None  # its slices are blended
-    refit = "shared"  # never called itself: scored on its slices' input
+    decode_mode = "square"  # its consumers' A in one grouped launch (their DecodeGroup; not groupable itself)
+    refit = "shared"  # never called itself: scored on its slices' input (its slices are blended, not it)
     rank_code = True
-    norms_child = None
-    int8_form = None
 
     def to_spec(self, root: nn.Module) -> dict:
         return {"in": self.in_features, "out": self.out_features, "rank": self.rank, "consumers": self.consumers,
@@ -187,20 +176,15 @@ class SharedRankCode(RankCode, MacMeter, nn.Module):
 
 
 @register_adapter
-class RankSliceLinear(MaskedDecode, nn.Module):
+class RankSliceLinear(MaskedDecode, Adapter, nn.Module):
     """One of q/k/v: its rows of the stacked A applied to the shared masked code."""
 
     spec_type = "rank_slice"  # no threshold of its own: its code's
     spec_fields = {"out": "size", "rank": "size", "bias": "flag", "code": "adapter"}
     linear_children = ("A",)
-    bare_weights = False
-    decode_mode = "square"  # its code's mask
-    groupable = False  # its code decodes q/k/v in one launch
+    decode_mode = "square"  # its code's mask (its code groups q/k/v: not groupable by the architecture)
     self_guided = "dense"
     refit = "owner"  # its input scores its code's threshold
-    rank_code = False
-    norms_child = None
-    int8_form = None
 
     def to_spec(self, root: nn.Module) -> dict:
         code = next(n for n, c in root.named_modules() if c is self._code())
@@ -215,9 +199,6 @@ class RankSliceLinear(MaskedDecode, nn.Module):
         self.A = column_major_linear(A, bias)
         self.in_features, self.out_features = code.in_features, A.shape[0]
         self.link(code)
-
-    def restore(self, root: nn.Module) -> None:
-        restore_layouts(self)
 
     def threshold_owner(self) -> SharedRankCode | None:
         return self._code()

@@ -7,7 +7,10 @@ shipped copies of the registered kinds' modules from its `modeling_rana.py`). Re
 import order (deterministic: `rana/modules/__init__.py`), kept by `adapter_classes()` and `ADAPTER_KINDS`.
 This file ships with exports (remote code) and names no adapter module.
 
-What a kind declares (each checked at registration: a kind that forgets one fails at import):
+What a kind declares (each checked at registration: a kind that forgets one fails at import). A kind derived
+from `rana.modules.common.Adapter` takes each from there with the value most kinds share (no linear children,
+no weights of its own, no masked decode, not grouped, not blended, no refit, no rank code, no column norms, no
+int8 form; ``restore`` puts its weights back in their decode layouts), so it declares only what differs:
 
 ``spec_type`` / ``spec_fields`` / ``to_spec(root)`` / ``from_spec(spec, ...)``
     its entry in ``rana_config.json``: the entry's ``type``, its fields (field → kind, below), the

@@ -4,12 +4,12 @@ from __future__ import annotations
 import torch
 import torch.nn as nn
 
-from .common import MacMeter, restore_layouts
+from .common import Adapter, MacMeter
 from .registry import register_adapter
 
 
 @register_adapter
-class RotatedInput(MacMeter, nn.Module):
+class RotatedInput(MacMeter, Adapter, nn.Module):
     """`norm(x) R`: a decoder block's input norm followed by a d × d rotation of its output.
 
     The projections reading that output hold `W R` (so `(W R)(Rᵀ n) = W n` at full width and the
@@ -21,15 +21,8 @@ class RotatedInput(MacMeter, nn.Module):
     spec_type = "rotated_input"  # wraps the norm found at its path; no threshold
     spec_fields = {"in": "size", "block": ("attention", "mlp")}
     spec_defaults = {"block": "attention"}  # what a folder without the field meant
-    linear_children = ()  # the projections reading it hold W R as plain linears
-    bare_weights = False  # no weights: `rotation` is a buffer
-    decode_mode = None
-    groupable = False
-    self_guided = None
-    refit = None
-    rank_code = False
-    norms_child = None
-    int8_form = None
+    # no linear children (the projections reading it hold W R as plain linears), no weights (`rotation` is a
+    # buffer), no threshold: every declaration is the Adapter default
 
     def to_spec(self, root: nn.Module) -> dict:
         return {"in": self.features, "block": self.block}
@@ -46,9 +39,6 @@ class RotatedInput(MacMeter, nn.Module):
         self.block = block
         self.macs_dense = 0.0
         self._init_meter()
-
-    def restore(self, root: nn.Module) -> None:
-        restore_layouts(self)
 
     def forward(self, x: torch.Tensor, *args, **kwargs) -> torch.Tensor:
         y = self.norm(x, *args, **kwargs)
