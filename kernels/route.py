@@ -127,19 +127,31 @@ def _device_threshold(threshold, v: torch.Tensor) -> torch.Tensor:
     return threshold
 
 
-def _triton_grouped(ws, vs, thresholds, mode, scales, sbin, wrap=None):
-    w_ts, qscales, biases = zip(*(w.op_tensors() for w in ws))
-    flat = grouped_masked_gemv_triton(list(vs), list(w_ts), [_device_threshold(t, vs[0]) for t in thresholds], mode,
-                                      list(scales), list(biases), sbin,
-                                      qscales=None if qscales[0] is None else list(qscales))
+def _group_args(ws, vs, thresholds) -> tuple[list, list, list, list]:
+    """(w_ts, qscales, biases, device thresholds) of a grouped call's operands, as the kernels and ops take them."""
+    w_ts, qscales, biases = (list(c) for c in zip(*(w.op_tensors() for w in ws)))
+    return w_ts, qscales, biases, [_device_threshold(t, vs[0]) for t in thresholds]
+
+
+def _split(flat: torch.Tensor, w_ts) -> list[torch.Tensor]:
     return list(flat.split([w.shape[1] for w in w_ts]))
 
 
-def _triton_masked(w: Weight, v, threshold, mode, scale, sbin):
-    if not _one_token(v):
-        return _torch_masked(w, v, threshold, mode, scale, sbin)
-    (y,) = _triton_grouped((w,), (v,), (threshold,), mode, (scale,), sbin)
-    return y.view(*v.shape[:-1], y.shape[0])
+def _triton_grouped(ws, vs, thresholds, mode, scales, sbin):
+    w_ts, qscales, biases, ts = _group_args(ws, vs, thresholds)
+    return _split(grouped_masked_gemv_triton(list(vs), w_ts, ts, mode, list(scales), biases, sbin, qscales=qscales),
+                  w_ts)
+
+
+def _group_of_one(grouped: Callable, several: Callable) -> Callable:
+    """A backend's masked entry made from its grouped launch: one token is a group of one; several tokens
+    take `several` (the dense masked product)."""
+    def masked(w, v, threshold, mode, scale, sbin):
+        if not _one_token(v):
+            return several(w, v, threshold, mode, scale, sbin)
+        (y,) = grouped((w,), (v,), (threshold,), mode, (scale,), sbin)
+        return y.view(*v.shape[:-1], y.shape[0])
+    return masked
 
 
 def _each_grouped(masked: Callable) -> Callable:
@@ -182,10 +194,8 @@ def _op_masked(w: Weight, v, threshold, mode, scale, sbin):
 
 
 def _op_grouped(ws, vs, thresholds, mode, scales, sbin):
-    w_ts, qscales, biases = (list(c) for c in zip(*(w.op_tensors() for w in ws)))
-    flat = torch.ops.rana.masked_gemv_grouped(list(vs), w_ts, qscales, [_device_threshold(t, vs[0]) for t in thresholds],
-                                              mode, list(scales), biases)
-    return list(flat.split([w.shape[1] for w in w_ts]))
+    w_ts, qscales, biases, ts = _group_args(ws, vs, thresholds)
+    return _split(torch.ops.rana.masked_gemv_grouped(list(vs), w_ts, qscales, ts, mode, list(scales), biases), w_ts)
 
 
 def _op_expert(w: FloatWeight, v, idx, thresholds):
@@ -193,18 +203,9 @@ def _op_expert(w: FloatWeight, v, idx, thresholds):
 
 
 def _triton_op_grouped(ws, vs, thresholds, mode, scales, sbin):
-    w_ts, qscales, biases = (list(c) for c in zip(*(w.op_tensors() for w in ws)))
-    flat = torch.ops.rana.masked_gemv_triton(list(vs), w_ts, qscales,
-                                             [_device_threshold(t, vs[0]) for t in thresholds], mode, list(scales),
-                                             biases, sbin)
-    return list(flat.split([w.shape[1] for w in w_ts]))
-
-
-def _triton_op_masked(w: Weight, v, threshold, mode, scale, sbin):
-    if not _one_token(v):
-        return _op_masked(w, v, threshold, mode, scale, sbin)
-    (y,) = _triton_op_grouped((w,), (v,), (threshold,), mode, (scale,), sbin)
-    return y.view(*v.shape[:-1], y.shape[0])
+    w_ts, qscales, biases, ts = _group_args(ws, vs, thresholds)
+    return _split(torch.ops.rana.masked_gemv_triton(list(vs), w_ts, qscales, ts, mode, list(scales), biases, sbin),
+                  w_ts)
 
 
 def _triton_op_expert(w: FloatWeight, v, idx, thresholds):
@@ -225,12 +226,14 @@ def _triton_op_dense_grouped(ws, vs):
 #                     masked              grouped                         expert            dense_grouped
 EAGER = {
     "native": Backend(_native_masked, _each_grouped(_native_masked), _native_expert, None),
-    "triton": Backend(_triton_masked, _triton_grouped, _triton_expert, _triton_dense_grouped),
+    "triton": Backend(_group_of_one(_triton_grouped, _torch_masked), _triton_grouped, _triton_expert,
+                      _triton_dense_grouped),
     "torch": Backend(_torch_masked, _each_grouped(_torch_masked), _torch_expert, None),
 }
 TRACED = {
     "ops": Backend(_op_masked, _op_grouped, _op_expert, None),
-    "triton ops": Backend(_triton_op_masked, _triton_op_grouped, _triton_op_expert, _triton_op_dense_grouped),
+    "triton ops": Backend(_group_of_one(_triton_op_grouped, _op_masked), _triton_op_grouped, _triton_op_expert,
+                          _triton_op_dense_grouped),
 }
 
 
