@@ -35,7 +35,6 @@ __all__ = ["decode_masked", "decode_masked_grouped", "decode_expert_masked", "de
            "EAGER", "TRACED", "Backend", "DEFAULT_SPARSITY_BIN", "sparsity_bin"]
 
 DEFAULT_SPARSITY_BIN = 2  # active fraction ≈ 0.5: the Triton tuning key when a module gives no hint
-_ENTRY_POINTS = ("masked", "grouped", "expert", "dense_grouped")
 
 
 class Backend(NamedTuple):
@@ -114,7 +113,10 @@ def _native_masked(w: Weight, v, threshold, mode, scale, sbin):
     gradients wanted for v) and several tokens take the torch path. (Runs per projection per token: no
     helper calls.)"""
     if v.numel() == v.shape[-1]:
-        y = w.native(mode, scale)(v, _NO_THRESHOLD if threshold is None else float(threshold))
+        call = w.bound  # Weight.native's check of a kept call, spelled out
+        if call is None or call.mode != mode or call.tensors[2] is not scale or call.ptr != w.stored.data_ptr():
+            call = w.native(mode, scale)
+        y = call(v, _NO_THRESHOLD if threshold is None else float(threshold))
         if y is not None:
             return y
     return _torch_masked(w, v, threshold, mode, scale, sbin)

@@ -66,7 +66,8 @@ class Weight:
     and the native call bound for a mask mode and scale."""
 
     format: str = ""
-    __slots__ = ("bias", "backend", "stored", "_native")  # stored: the tensor whose storage a bound call reads
+    # stored: the tensor whose storage a bound call reads; bound: the native call bound last (see `native`)
+    __slots__ = ("bias", "backend", "stored", "bound")
 
     @property
     def device(self) -> torch.device:
@@ -79,10 +80,10 @@ class Weight:
     def native(self, mode: str, scale: torch.Tensor | None) -> NativeCall:
         """The native call for `mode` and `scale`, bound on first use and kept while it describes them and the
         weights' storage (`stored`: an in-place ``.data`` swap moves it)."""
-        call = self._native
+        call = self.bound
         if call is None or call.mode != mode or call.tensors[2] is not scale or call.ptr != self.stored.data_ptr():
             w_t, qscale, bias = self.op_tensors()
-            call = self._native = NativeCall.bind(w_t, qscale, mode, scale, bias)
+            call = self.bound = NativeCall.bind(w_t, qscale, mode, scale, bias)
         return call
 
     def __reduce__(self):  # holds a module's tensors and a call bound to their addresses: a copy remakes its own
@@ -97,7 +98,7 @@ class FloatWeight(Weight):
     __slots__ = ("weight",)
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None):
-        self.weight, self.bias, self._native = weight, bias, None
+        self.weight, self.bias, self.bound = weight, bias, None
         self.stored = weight
         self.backend = backend_for(weight.device, weight.dtype is torch.float32)
 
@@ -125,7 +126,7 @@ class Int8Weight(Weight):
     __slots__ = ("q_t", "qscale")
 
     def __init__(self, q_t: torch.Tensor, qscale: torch.Tensor, bias: torch.Tensor | None = None):
-        self.q_t, self.qscale, self.bias, self._native = q_t, qscale, bias, None
+        self.q_t, self.qscale, self.bias, self.bound = q_t, qscale, bias, None
         self.stored = q_t
         self.backend = backend_for(q_t.device, True)  # the native kernel takes int8 with any float token
 

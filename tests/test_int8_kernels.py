@@ -180,7 +180,7 @@ def _bound_call(m):
     """The native call bound in the operand an Int8Linear keeps of its own weights (rana.modules.operands)."""
     from rana.modules.operands import OPERANDS
     entry = m.__dict__.get(OPERANDS, {}).get("own")
-    return None if entry is None or entry[1] is None else entry[1]._native
+    return None if entry is None or entry[1] is None else entry[1].bound
 
 
 def test_int8_modules_bind_their_own_tensors(native):

@@ -119,14 +119,9 @@ class MaskedDecode:
         return not self.training and not (self if meter is None else meter).meter_on
 
     def decode_weight(self, layer: nn.Module) -> Weight | None:
-        """The operand of `layer`, the matrix this adapter's mask selects rows of (None: a peft wrapper): kept
-        on this module (rana.modules.operands.layer_weight, whose check of a kept one is spelled out here: this
-        runs per projection per token)."""
-        if not torch.compiler.is_compiling():  # (a traced step keeps nothing: layer_weight)
-            cache = self.__dict__.get(OPERANDS)
-            hit = None if cache is None else cache.get(MASKED)
-            if hit is not None and hit[0] is layer and hit[2](hit[1], layer):
-                return hit[1]
+        """The operand of `layer`, the matrix this adapter's mask selects rows of (None: a peft wrapper), kept
+        on this module under the role MASKED (rana.modules.operands). A kind decoding its own weights overrides
+        this (and keeps them under another role)."""
         return layer_weight(self, MASKED, layer)
 
     # the two below run per projection per token: `decode_open` is spelled out in them (no extra call)
@@ -151,8 +146,17 @@ class MaskedDecode:
         meter = self if meter is None else meter
         if self.training or meter.meter_on or v.numel() != v.shape[-1]:
             return None
-        w = self.decode_weight(layer)
-        if w is None or (torch.is_grad_enabled() and (v.requires_grad or w.requires_grad)):
+        w = None
+        if not torch.compiler.is_compiling():  # decode_weight's check of a kept operand, spelled out
+            cache = self.__dict__.get(OPERANDS)
+            hit = None if cache is None else cache.get(MASKED)
+            if hit is not None and hit[0] is layer and hit[2](hit[1], layer):
+                w = hit[1]
+        if w is None:
+            w = self.decode_weight(layer)
+            if w is None:
+                return None
+        if torch.is_grad_enabled() and (v.requires_grad or w.requires_grad):
             return None
         return decode_masked(w, v, threshold, self.decode_mode, scale, meter.decode_bin)
 

@@ -24,7 +24,7 @@ import torch.nn as nn
 
 from ..kernels.weights import FloatWeight, Weight
 
-OPERANDS = "_decode_operands"  # where a module keeps its operands: {role: (layer, operand, current)}
+OPERANDS = "_decode_operands"  # where a module keeps its operands: {role: (layer or None, operand, current or None)}
 MASKED = "masked"  # the role of the matrix an adapter's mask selects rows of
 
 # layer type -> (make(layer) -> Weight, current(operand, layer) -> bool)
@@ -100,7 +100,7 @@ def keep_operand(owner: nn.Module, role: str, operand: Weight) -> Weight:
     """Keep `operand`, made by `owner` of weights of its own, under `role` (not under torch.compile); returns it."""
     if torch.compiler.is_compiling():
         return operand
-    _operands(owner)[role] = (owner, operand, None)
+    _operands(owner)[role] = (None, operand, None)  # not the owner itself: no reference cycle to keep it alive
     return operand
 
 
