@@ -57,7 +57,8 @@ import torch
 # one table of mask modes for every kernel (modes.py): the ids are the C kernel's and the Triton kernel's ABI
 from .modes import MODE_IDS, mode_id
 
-__all__ = ["triton_available", "kernels_available", "interpreting", "grouped_masked_gemv_triton", "grouped_dense_gemv_triton",
+__all__ = ["triton_available", "kernels_available", "interpreting", "grouped_masked_gemv_triton",
+           "grouped_dense_gemv_triton",
            "int8_kernel", "expert_masked_gemv_triton", "expert_kernel",
            "choose_config", "heuristic_config",
            "MODE_IDS", "GemvConfig", "TABLE_FILE", "table_key", "sparsity_bin", "KERNEL_NAMES", "config_table",
