@@ -137,10 +137,10 @@ class NativeCall:
 
     :meth:`bind` always gives one; where the operands do not suit the kernel (no native library, other
     dtypes or layouts) calling it returns None, so an unsuitable weight is not re-examined every token.
-    :meth:`binds` says whether it still describes a weight's current tensors: by identity (a replaced
-    tensor is a new binding) and by address (an in-place ``.data`` swap moves the storage; an in-place copy
-    keeps the address bound here). It holds its tensors, so a bound address is never stale. Deepcopy and
-    pickle give None: a copy binds its own tensors.
+    :meth:`binds` says whether it still describes a weight's tensors, by identity (a replaced tensor is a new
+    binding); `ptr` is the weights' address it bound, which its owner (weights.Weight.native) compares with the
+    weights' current storage (an in-place ``.data`` swap moves it; an in-place copy keeps it). It holds its
+    tensors, so a bound address is never stale. Deepcopy and pickle give None: a copy binds its own tensors.
     """
 
     __slots__ = ("tensors", "mode", "K", "N", "int8", "ptr", "_fn", "_operands", "_address", "_weight")
