@@ -55,7 +55,7 @@ SMOKE_SHAPES = {"tiny-llama": dict(hidden_size=64, intermediate_size=160, num_at
 # kernel (or, on CPU, op) name fragments → profile class; the first class that matches wins
 KERNEL_CLASSES = (
     ("rana_reduce", ("rana_gemv_reduce",)),
-    ("rana_masked", ("rana_masked_gemv", "rana::masked_gemv")),
+    ("rana_masked", ("rana_masked_gemv", "rana::decode_masked")),
     ("rana_dense", ("rana_dense_gemv",)),  # rana's own dense GEMV (rank adapters' B), apart from cuBLAS
     ("attention", ("flash", "fmha", "attention", "sdpa", "softmax")),
     ("gemm", ("gemm", "gemv", "cublas", "cutlass", "xmma", "nvjet", "splitk", "fused_mm", "aten::mm", "aten::addmm",

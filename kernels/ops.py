@@ -4,16 +4,16 @@ without reading a tensor value on the host. Every op takes either weight format:
 int8 codes ``w_t`` with their per-output-channel scales ``qscale`` (N,) (None for float weights):
 ``y = [qscale ⊙] ((m ⊙ v) @ w_t) (+ bias)``.
 
-    rana::masked_gemv(Tensor w_t, Tensor? qscale, Tensor v, Tensor threshold, str mode, Tensor? scale,
-                      Tensor? bias) -> Tensor
+    rana::decode_masked(Tensor w_t, Tensor? qscale, Tensor v, Tensor threshold, str mode, Tensor? scale,
+                        Tensor? bias) -> Tensor
         custom_op; one projection, v of any leading dims, output v.shape[:-1] + (N,) in v's dtype. CPU: one
         token through the native kernel (cpu_gemv.py; float weights fp32 only), else the torch gather; several
         tokens and any other device: the dense masked product (sync-free).
-    rana::masked_gemv_grouped(Tensor[] vs, Tensor[] w_ts, Tensor?[] qscales, Tensor[] thresholds, str mode,
-                              Tensor?[] scales, Tensor?[] biases) -> Tensor
+    rana::decode_masked_grouped(Tensor[] vs, Tensor[] w_ts, Tensor?[] qscales, Tensor[] thresholds, str mode,
+                                Tensor?[] scales, Tensor?[] biases) -> Tensor
         custom_op; one token through each of up to three projections (q/k/v, gate/up), outputs concatenated (1-D).
-    rana::masked_gemv_triton(Tensor[] vs, Tensor[] w_ts, Tensor?[] qscales, Tensor[] thresholds, str mode,
-                             Tensor?[] scales, Tensor?[] biases, SymInt sparsity_bin) -> Tensor
+    rana::decode_masked_triton(Tensor[] vs, Tensor[] w_ts, Tensor?[] qscales, Tensor[] thresholds, str mode,
+                               Tensor?[] scales, Tensor?[] biases, SymInt sparsity_bin) -> Tensor
         triton_op (registered when the Triton kernels can run): the grouped kernel of triton_gemv.py
         (rana_masked_gemv, or rana_masked_gemv_int8 for int8 weights), visible to torch.compile / inductor
         through wrap_triton, captured by CUDA graphs.
@@ -27,6 +27,10 @@ int8 codes ``w_t`` with their per-output-channel scales ``qscale`` (N,) (None fo
     rana::expert_masked_gemv_triton(Tensor w_t, Tensor v, Tensor idx, Tensor thresholds) -> Tensor
         triton_op: the same through rana_expert_masked_gemv (CUDA): one launch over the selected experts'
         kept rows, the expert index read on the device.
+
+The masked ops are named after the route's entry points: exports made before the weight formats shared one
+route register ``rana::masked_gemv*`` ops with other schemas, and an op is defined once per process (the first
+definition serves all), so an older export and this rana must not share a name (tests/test_decode_ops.py).
 
 ``threshold`` is a 0-dim fp32 tensor (a module buffer) and ``mode`` a name of modes.py. State the kernels
 keep (the CPU kernel's dense-branch prediction, the Triton tuning decisions) is only touched inside the op
@@ -48,7 +52,7 @@ from .torch_gemv import (expert_masked_gemv_dense, expert_masked_gemv_gather, ma
 from .triton_gemv import (expert_masked_gemv_triton, grouped_dense_gemv_triton, grouped_masked_gemv_triton,
                           kernels_available)
 
-__all__ = ["masked_gemv_impl", "expert_masked_gemv_impl", "HAS_TRITON", "OP_NAMES", "ALL_OP_NAMES"]
+__all__ = ["decode_masked_impl", "expert_masked_gemv_impl", "HAS_TRITON", "OP_NAMES", "ALL_OP_NAMES"]
 
 HAS_TRITON = kernels_available()
 
@@ -56,9 +60,9 @@ HAS_TRITON = kernels_available()
 # --------------------------------------------------------------------------------------------
 # implementations (run eagerly, outside any traced graph)
 # --------------------------------------------------------------------------------------------
-def masked_gemv_impl(w_t: torch.Tensor, qscale: Optional[torch.Tensor], v: torch.Tensor, threshold: torch.Tensor,
+def decode_masked_impl(w_t: torch.Tensor, qscale: Optional[torch.Tensor], v: torch.Tensor, threshold: torch.Tensor,
                      mode: str, scale: Optional[torch.Tensor], bias: Optional[torch.Tensor]) -> torch.Tensor:
-    """rana::masked_gemv without Triton: one CPU token through the native kernel (bound for this call) or the
+    """rana::decode_masked's implementation (no Triton): one CPU token through the native kernel (bound for this call) or the
     torch gather; several tokens and other devices the dense masked product."""
     mode_id(mode)  # ValueError for an unknown mode
     if qscale is None:
@@ -95,23 +99,23 @@ def _registered(name: str) -> bool:
     return True
 
 
-def _masked_gemv_fake(w_t, qscale, v, threshold, mode, scale, bias):
+def _decode_masked_fake(w_t, qscale, v, threshold, mode, scale, bias):
     return v.new_empty((*v.shape[:-1], w_t.shape[1]))
 
 
-def _masked_gemv_grouped_op(vs: Sequence[torch.Tensor], w_ts: Sequence[torch.Tensor],
+def _decode_masked_grouped_impl(vs: Sequence[torch.Tensor], w_ts: Sequence[torch.Tensor],
                             qscales: Sequence[Optional[torch.Tensor]], thresholds: Sequence[torch.Tensor], mode: str,
                             scales: Sequence[Optional[torch.Tensor]],
                             biases: Sequence[Optional[torch.Tensor]]) -> torch.Tensor:
-    return torch.cat([masked_gemv_impl(w, q, v, t, mode, s, b).reshape(-1)
+    return torch.cat([decode_masked_impl(w, q, v, t, mode, s, b).reshape(-1)
                       for v, w, q, t, s, b in zip(vs, w_ts, qscales, thresholds, scales, biases)])
 
 
-def _masked_gemv_grouped_fake(vs, w_ts, qscales, thresholds, mode, scales, biases):
+def _decode_masked_grouped_fake(vs, w_ts, qscales, thresholds, mode, scales, biases):
     return vs[0].new_empty((sum(w.shape[1] for w in w_ts),))
 
 
-def _masked_gemv_triton_op(vs: Sequence[torch.Tensor], w_ts: Sequence[torch.Tensor],
+def _decode_masked_triton_impl(vs: Sequence[torch.Tensor], w_ts: Sequence[torch.Tensor],
                            qscales: Sequence[Optional[torch.Tensor]], thresholds: Sequence[torch.Tensor], mode: str,
                            scales: Sequence[Optional[torch.Tensor]], biases: Sequence[Optional[torch.Tensor]],
                            sparsity_bin: int) -> torch.Tensor:
@@ -127,21 +131,21 @@ def _expert_masked_gemv_fake(w_t, v, idx, thresholds):
     return v.new_empty((v.shape[0], w_t.shape[2]))
 
 
-def _expert_masked_gemv_triton_op(w_t: torch.Tensor, v: torch.Tensor, idx: torch.Tensor,
+def _expert_masked_gemv_triton_impl(w_t: torch.Tensor, v: torch.Tensor, idx: torch.Tensor,
                                   thresholds: torch.Tensor) -> torch.Tensor:
     return expert_masked_gemv_triton(w_t, v, idx, thresholds, wrap=torch.library.wrap_triton)
 
 
 # name -> (implementation, fake); the triton_ops derive their fakes from the kernels (wrap_triton)
 _CUSTOM = {
-    "masked_gemv": (masked_gemv_impl, _masked_gemv_fake),
-    "masked_gemv_grouped": (_masked_gemv_grouped_op, _masked_gemv_grouped_fake),
+    "decode_masked": (decode_masked_impl, _decode_masked_fake),
+    "decode_masked_grouped": (_decode_masked_grouped_impl, _decode_masked_grouped_fake),
     "expert_masked_gemv": (expert_masked_gemv_impl, _expert_masked_gemv_fake),
 }
 _TRITON = {
-    "masked_gemv_triton": _masked_gemv_triton_op,
+    "decode_masked_triton": _decode_masked_triton_impl,
     "dense_gemv_triton": _dense_gemv_triton_op,
-    "expert_masked_gemv_triton": _expert_masked_gemv_triton_op,
+    "expert_masked_gemv_triton": _expert_masked_gemv_triton_impl,
 }
 
 for _name, (_impl, _fake) in _CUSTOM.items():

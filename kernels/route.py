@@ -192,12 +192,12 @@ def _triton_dense_grouped(ws, vs):
 # --------------------------------------------------------------------------------------------
 def _op_masked(w: Weight, v, threshold, mode, scale, sbin):
     w_t, qscale, bias = w.op_tensors()
-    return torch.ops.rana.masked_gemv(w_t, qscale, v, _device_threshold(threshold, v), mode, scale, bias)
+    return torch.ops.rana.decode_masked(w_t, qscale, v, _device_threshold(threshold, v), mode, scale, bias)
 
 
 def _op_grouped(ws, vs, thresholds, mode, scales, sbin):
     w_ts, qscales, biases, ts = _group_args(ws, vs, thresholds)
-    return _split(torch.ops.rana.masked_gemv_grouped(list(vs), w_ts, qscales, ts, mode, list(scales), biases), w_ts)
+    return _split(torch.ops.rana.decode_masked_grouped(list(vs), w_ts, qscales, ts, mode, list(scales), biases), w_ts)
 
 
 def _op_expert(w: FloatWeight, v, idx, thresholds):
@@ -206,7 +206,7 @@ def _op_expert(w: FloatWeight, v, idx, thresholds):
 
 def _triton_op_grouped(ws, vs, thresholds, mode, scales, sbin):
     w_ts, qscales, biases, ts = _group_args(ws, vs, thresholds)
-    return _split(torch.ops.rana.masked_gemv_triton(list(vs), w_ts, qscales, ts, mode, list(scales), biases, sbin),
+    return _split(torch.ops.rana.decode_masked_triton(list(vs), w_ts, qscales, ts, mode, list(scales), biases, sbin),
                   w_ts)
 
 

@@ -255,7 +255,7 @@ def test_compiled_decode_runs_the_groups():
         torch._dynamo.reset()
     assert counts and all(c == counts[0] for c in counts)
     # 2 layers × (q/k/v + gate/up) grouped; o and down on their own
-    assert counts[0] == {"rana.masked_gemv_grouped": made, "rana.masked_gemv": 2 * 2} and made == 4
+    assert counts[0] == {"rana.decode_masked_grouped": made, "rana.decode_masked": 2 * 2} and made == 4
     torch.testing.assert_close(logits, ref_logits, atol=1e-5 * float(ref_logits.abs().max()), rtol=0)
     assert torch.equal(tokens, ref_tokens)
 

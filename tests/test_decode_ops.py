@@ -46,23 +46,23 @@ def _reference(w_t, v, t, mode, scale, b):
 @pytest.mark.parametrize("mode", ["square", "abs_scaled", "abs", "none"])
 def test_opcheck_cpu_ops(dtype, mode):
     w_t, v, t, scale, b = _case(40, 24, dtype, mode)
-    torch.library.opcheck(torch.ops.rana.masked_gemv.default, (w_t, None, v, t, mode, scale, b))
-    y = torch.ops.rana.masked_gemv(w_t, None, v, t, mode, scale, b)
+    torch.library.opcheck(torch.ops.rana.decode_masked.default, (w_t, None, v, t, mode, scale, b))
+    y = torch.ops.rana.decode_masked(w_t, None, v, t, mode, scale, b)
     assert y.shape == (1, 1, 24) and y.dtype == dtype
     tol = 1e-4 if dtype == torch.float32 else 0.1
     torch.testing.assert_close(y.double().reshape(-1), _reference(w_t, v, t, mode, scale, b), atol=tol, rtol=0.02)
     w2, _, t2, s2, _ = _case(40, 8, dtype, mode, seed=1, bias=False)
     args = ([v, v], [w_t, w2], [None, None], [t, t2], mode, [scale, s2], [b, None])
-    torch.library.opcheck(torch.ops.rana.masked_gemv_grouped.default, args)
-    flat = torch.ops.rana.masked_gemv_grouped(*args)
+    torch.library.opcheck(torch.ops.rana.decode_masked_grouped.default, args)
+    flat = torch.ops.rana.decode_masked_grouped(*args)
     assert flat.shape == (32,)
     torch.testing.assert_close(flat[24:].double(), _reference(w2, v, t2, mode, s2, None), atol=tol, rtol=0.02)
 
 
 def test_ops_are_registered():
-    assert set(ops.OP_NAMES) >= {"rana::masked_gemv", "rana::masked_gemv_grouped"}
+    assert set(ops.OP_NAMES) >= {"rana::decode_masked", "rana::decode_masked_grouped"}
     if ops.HAS_TRITON:
-        assert "rana::masked_gemv_triton" in ops.OP_NAMES
+        assert "rana::decode_masked_triton" in ops.OP_NAMES
 
 
 # --------------------------------------------------------------------- Triton under the interpreter
@@ -73,8 +73,8 @@ INTERPRETED = textwrap.dedent(r'''
     sys.path.insert(0, sys.argv[1])
     from test_decode_ops import _case, _reference
     from rana.kernels import ops, triton_gemv as tg
-    assert ops.HAS_TRITON and "rana::masked_gemv_triton" in ops.OP_NAMES
-    op = torch.ops.rana.masked_gemv_triton
+    assert ops.HAS_TRITON and "rana::decode_masked_triton" in ops.OP_NAMES
+    op = torch.ops.rana.decode_masked_triton
     TOL = {torch.float32: (1e-4, 1e-5), torch.float16: (2e-2, 1e-2), torch.bfloat16: (0.15, 2e-2)}
     checked = 0
 
@@ -167,8 +167,8 @@ def test_opcheck_triton_op_cuda(dtype):
     ws, vs, ts, ss, bs = (list(x) for x in zip(*groups))
     args = ([v.cuda() for v in vs], [w.cuda() for w in ws], [None] * len(ws), [t.cuda() for t in ts], "abs", ss,
             [b.cuda() for b in bs], 2)
-    torch.library.opcheck(torch.ops.rana.masked_gemv_triton.default, args)
-    flat = torch.ops.rana.masked_gemv_triton(*args)
+    torch.library.opcheck(torch.ops.rana.decode_masked_triton.default, args)
+    flat = torch.ops.rana.decode_masked_triton(*args)
     exp = torch.cat([_reference(w, v, t, "abs", None, b) for w, v, t, _, b in groups])
     torch.testing.assert_close(flat.double().cpu(), exp, atol=0.1, rtol=0.02)
 
@@ -195,7 +195,7 @@ def test_compiled_decode_every_adapter_kind():
     kinds = {type(m) for m in model.modules()}
     assert {SharedRankCode, RankAdapterLinear, NeuronThresholdLinear, InputSparseLinear, CatsActivation} <= kinds
     seen = compiled_matches(model, backend="inductor")
-    assert seen == {"rana.masked_gemv", "rana.masked_gemv_grouped"}, seen
+    assert seen == {"rana.decode_masked", "rana.decode_masked_grouped"}, seen
 
 
 
@@ -237,7 +237,7 @@ def test_exported_model_compiles_in_fresh_process(tmp_path):
                           cwd=tmp_path, env=isolated_env(tmp_path), capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-6000:]
     result = json.loads(result.read_text())
-    assert result["seen"] == ["rana.masked_gemv", "rana.masked_gemv_grouped"]
+    assert result["seen"] == ["rana.decode_masked", "rana.decode_masked_grouped"]
     # gate/up rank adapters decode as one group in the exported model too (linked by its shipped spec), and the
     # q/k/v slices in their shared code's group
     assert result["linked"] == [f"model.layers.{i}.{p}" for i in range(2)
@@ -257,3 +257,48 @@ def test_relink_after_deepcopy():
     code = twin.self_attn.qkv_code
     slices = [m for m in twin.self_attn.children() if isinstance(m, RankSliceLinear)]
     assert [s._code() for s in slices] == [code] * 3 and [r() for r in code._slices] == slices
+
+
+# ------------------------------------------------------------------ an older export in the same process
+OLDER_EXPORT_FIRST = textwrap.dedent(r'''
+    import torch
+
+    # what an export made before the weight formats shared one route registers when it loads first: the
+    # masked ops under their old names, with their old schemas (an op is defined once per process)
+    def old_masked(w_t: torch.Tensor, v: torch.Tensor, threshold: torch.Tensor, mode: str,
+                   scale: torch.Tensor | None, bias: torch.Tensor | None) -> torch.Tensor:
+        return v.new_zeros((*v.shape[:-1], w_t.shape[1]))
+
+    torch.library.custom_op("rana::masked_gemv", old_masked, mutates_args=()).register_fake(old_masked)
+
+    from rana.kernels import route
+    from rana.kernels.weights import FloatWeight, Int8Weight
+
+    g = torch.Generator().manual_seed(0)
+    w = FloatWeight(torch.randn(24, 40, generator=g).t().contiguous().t(), torch.randn(24, generator=g))
+    q = Int8Weight(torch.randint(-127, 128, (40, 16), dtype=torch.int8, generator=g), torch.rand(16, generator=g))
+    t = torch.tensor(0.5)
+
+    def step(x):
+        y = route.decode_masked(w, x, t, "abs")
+        return y, route.decode_masked_grouped([q, q], [x, x], [t, t], "abs", [None, None])
+
+    x = torch.randn(1, 1, 40, generator=g)
+    eager = step(x)
+    traced = torch.compile(step, fullgraph=True, backend="aot_eager")(x)
+    torch.testing.assert_close(traced[0], eager[0])
+    torch.testing.assert_close(torch.cat(traced[1]), torch.cat(eager[1]))
+    assert eager[0].abs().sum() > 0  # this rana's op, not the older export's
+    print("OK")
+''')
+
+
+def test_an_older_exports_ops_do_not_collide(tmp_path):
+    """An export made before the one route (its rana::masked_gemv* ops with their own schemas, registered
+    first) and this rana in one process: a traced decode step of this rana calls its own ops."""
+    script = tmp_path / "older_first.py"
+    script.write_text(OLDER_EXPORT_FIRST)
+    out = subprocess.run([sys.executable, str(script)], cwd=tmp_path, capture_output=True, text=True, timeout=600,
+                         env={**os.environ, "TRITON_INTERPRET": "1"})
+    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-4000:]
+    assert out.stdout.strip().splitlines()[-1] == "OK"

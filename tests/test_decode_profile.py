@@ -156,5 +156,5 @@ def test_bound_call_matches_the_op_implementation():
     for mode in ("abs", "square", "abs_scaled"):
         scale = torch.rand(24, generator=g) if mode == "abs_scaled" else None
         a = route.decode_masked(FloatWeight(w), x, t, mode, scale)
-        b = ops.masked_gemv_impl(w.t(), None, x, t, mode, scale, None)
+        b = ops.decode_masked_impl(w.t(), None, x, t, mode, scale, None)
         torch.testing.assert_close(a, b, rtol=0, atol=0)

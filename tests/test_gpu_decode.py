@@ -1,7 +1,7 @@
 """The compiled decode path on CUDA (skipped elsewhere): a tiny rana-adapted Llama in bf16 and fp16.
 
 - a one-token decode step under torch.compile(backend="inductor", mode="reduce-overhead", fullgraph=True)
-  gives the eager step's logits, with rana's Triton op (rana::masked_gemv_triton) in the traced graph,
+  gives the eager step's logits, with rana's Triton op (rana::decode_masked_triton) in the traced graph,
   and nothing recompiles or re-records its CUDA graphs over the following tokens;
 - the "step" and "compiled" latency harnesses decode eager generate's greedy tokens, with no compile
   event during their timed runs.
@@ -94,7 +94,7 @@ def test_compiled_step_matches_eager_with_the_triton_op(model):
     step = torch.compile(logits_fn(model), fullgraph=True, backend=_recording_inductor(seen))
     got, warm = _teacher_forced_logits(model, step, tokens, cache, counters_at=WARM)
     after = compile_counters()
-    assert "rana.masked_gemv_triton" in seen, seen
+    assert "rana.decode_masked_triton" in seen, seen
     scale = float(ref.abs().max())
     assert float((got - ref).abs().max()) <= TOLERANCE[model.dtype] * scale
     assert after["graphs"] == warm["graphs"], "the decode step recompiled"

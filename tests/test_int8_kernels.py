@@ -366,7 +366,7 @@ def test_triton_op_and_decode_path_under_interpreter(interpreter, monkeypatch):
     exp = _expected(q_t, qs, v, t, "abs_scaled", scale, b)
     thr = torch.tensor(t)
     if ops.HAS_TRITON:
-        flat = torch.ops.rana.masked_gemv_triton([v], [q_t], [qs], [thr], "abs_scaled", [scale], [b], 2)
+        flat = torch.ops.rana.decode_masked_triton([v], [q_t], [qs], [thr], "abs_scaled", [scale], [b], 2)
         _assert_close(flat.reshape(1, 1, 20), exp, torch.float16, rounding_ulps=2.0)
     monkeypatch.setattr(weights, "TRITON_ON_CPU", True)  # RANA_TRITON_ON_CPU=1: CPU tensors take the kernel eagerly
     operand = Int8Weight(q_t, qs, b)
@@ -382,29 +382,29 @@ def test_triton_op_and_decode_path_under_interpreter(interpreter, monkeypatch):
 # --------------------------------------------------------------------------------------------
 def test_ops_are_registered():
     """int8 weights take the same ops as float ones (their scales as `qscale`)."""
-    assert {"rana::masked_gemv", "rana::masked_gemv_grouped"} <= set(ops.OP_NAMES)
+    assert {"rana::decode_masked", "rana::decode_masked_grouped"} <= set(ops.OP_NAMES)
     if ops.HAS_TRITON:
-        assert "rana::masked_gemv_triton" in ops.OP_NAMES
+        assert "rana::decode_masked_triton" in ops.OP_NAMES
 
 
 @pytest.mark.parametrize("mode", MODES)
 def test_opcheck_and_fake_shapes(mode):
     q_t, qs, v, t, scale, b = _problem(40, 24, torch.bfloat16, mode, 0.5, lead=(1, 1))
     thr = torch.tensor(0.0 if mode == "none" else t)
-    torch.library.opcheck(torch.ops.rana.masked_gemv.default, (q_t, qs, v, thr, mode, scale, b))
-    y = torch.ops.rana.masked_gemv(q_t, qs, v, thr, mode, scale, b)
+    torch.library.opcheck(torch.ops.rana.decode_masked.default, (q_t, qs, v, thr, mode, scale, b))
+    y = torch.ops.rana.decode_masked(q_t, qs, v, thr, mode, scale, b)
     _assert_close(y, _expected(q_t, qs, v, t, mode, scale, b), torch.bfloat16)
     q2, qs2, _, t2, s2, _ = _problem(40, 8, torch.bfloat16, mode, 0.3, seed=1, bias=False)
     thr2 = torch.tensor(0.0 if mode == "none" else t2)
     args = ([v, v], [q_t, q2], [qs, qs2], [thr, thr2], mode, [scale, s2], [b, None])
-    torch.library.opcheck(torch.ops.rana.masked_gemv_grouped.default, args)
+    torch.library.opcheck(torch.ops.rana.decode_masked_grouped.default, args)
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     with FakeTensorMode() as fake:
         f = lambda x: fake.from_tensor(x) if isinstance(x, torch.Tensor) else x  # noqa: E731
-        y = torch.ops.rana.masked_gemv(f(q_t), f(qs), f(torch.randn(2, 5, 40)), f(thr), mode, f(scale), f(b))
+        y = torch.ops.rana.decode_masked(f(q_t), f(qs), f(torch.randn(2, 5, 40)), f(thr), mode, f(scale), f(b))
         assert y.shape == (2, 5, 24) and y.dtype == torch.float32
-        flat = torch.ops.rana.masked_gemv_grouped([f(v), f(v)], [f(q_t), f(q2)], [f(qs), f(qs2)],
+        flat = torch.ops.rana.decode_masked_grouped([f(v), f(v)], [f(q_t), f(q2)], [f(qs), f(qs2)],
                                                   [f(thr), f(thr2)], mode, [f(scale), f(s2)], [f(b), None])
         assert flat.shape == (32,) and flat.dtype == torch.bfloat16
 
@@ -451,7 +451,7 @@ def test_compiled_fullgraph_calls_the_op(monkeypatch):
         for o, e in zip(out, eager):
             torch.testing.assert_close(o, e, atol=1e-5, rtol=1e-5)
     targets = {str(n.target) for n in graphs[0].graph.nodes if n.op == "call_function"}
-    assert {"rana.masked_gemv", "rana.masked_gemv_grouped"} <= targets, targets
+    assert {"rana.decode_masked", "rana.decode_masked_grouped"} <= targets, targets
     (y_exp, y_mag), (d_exp, d_mag) = (_expected(q_t, qs, v, t, "abs_scaled", scale, b),
                                       _expected(q_t, qs, v, -math.inf, "none"))
     _assert_close(eager[0], (torch.relu(y_exp) + d_exp, y_mag + d_mag), torch.float32)

@@ -307,7 +307,7 @@ def decode_path(model: torch.nn.Module) -> str:
     """The batch-1 masked-GEMV path `model`'s adapters take where it lives, in words."""
     device = model_device(model)
     if device.type == "cuda":
-        return "CUDA: " + ("Triton masked-GEMV kernels (rana::masked_gemv_triton)" if triton_available()
+        return "CUDA: " + ("Triton masked-GEMV kernels (rana::decode_masked_triton)" if triton_available()
                            else "dense masked product (no triton)")
     if device.type == "cpu":
         return f"CPU, {torch.get_num_threads()} thread(s): {native_status()}"
