@@ -114,7 +114,9 @@ def _native_masked(w: Weight, v, threshold, mode, scale, sbin):
     helper calls.)"""
     if v.numel() == v.shape[-1]:
         call = w.bound  # Weight.native's check of a kept call, spelled out
-        if call is None or call.mode != mode or call.tensors[2] is not scale or call.ptr != w.stored.data_ptr():
+        stored = w.stored
+        if call is None or call.mode != mode or call.tensors[2] is not scale or (
+                stored is not None and call.ptr != stored.data_ptr()):
             call = w.native(mode, scale)
         y = call(v, _NO_THRESHOLD if threshold is None else float(threshold))
         if y is not None:

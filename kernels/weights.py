@@ -66,7 +66,8 @@ class Weight:
     and the native call bound for a mask mode and scale."""
 
     format: str = ""
-    # stored: the tensor whose storage a bound call reads; bound: the native call bound last (see `native`)
+    # stored: the tensor whose storage a bound call reads, checked per token (None: not checked); bound: the native
+    # call bound last (see `native`)
     __slots__ = ("bias", "backend", "stored", "bound")
 
     @property
@@ -81,7 +82,8 @@ class Weight:
         """The native call for `mode` and `scale`, bound on first use and kept while it describes them and the
         weights' storage (`stored`: an in-place ``.data`` swap moves it)."""
         call = self.bound
-        if call is None or call.mode != mode or call.tensors[2] is not scale or call.ptr != self.stored.data_ptr():
+        if call is None or call.mode != mode or call.tensors[2] is not scale or (
+                self.stored is not None and call.ptr != self.stored.data_ptr()):
             w_t, qscale, bias = self.op_tensors()
             call = self.bound = NativeCall.bind(w_t, qscale, mode, scale, bias)
         return call
@@ -127,7 +129,10 @@ class Int8Weight(Weight):
 
     def __init__(self, q_t: torch.Tensor, qscale: torch.Tensor, bias: torch.Tensor | None = None):
         self.q_t, self.qscale, self.bias, self.bound = q_t, qscale, bias, None
-        self.stored = q_t
+        # int8 codes are buffers, replaced (not swapped in place) when they change: the identity checks of its
+        # layer's operand see that, and a token does not read the storage's address (float weights are
+        # Parameters, whose `.data` peft and rana's loaders swap)
+        self.stored = None
         self.backend = backend_for(q_t.device, True)  # the native kernel takes int8 with any float token
 
     @property

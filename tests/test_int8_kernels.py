@@ -178,9 +178,9 @@ def test_bound_int8_call_declines_and_rebinds(native):
 
 def _bound_call(m):
     """The native call bound in the operand an Int8Linear keeps of its own weights (rana.modules.operands)."""
-    from rana.modules.operands import OPERANDS
-    entry = m.__dict__.get(OPERANDS, {}).get("own")
-    return None if entry is None or entry[1] is None else entry[1].bound
+    from rana.modules.operands import kept_operand
+    operand = kept_operand(m, "own")
+    return None if operand is None else operand.bound
 
 
 def test_int8_modules_bind_their_own_tensors(native):
@@ -188,7 +188,7 @@ def test_int8_modules_bind_their_own_tensors(native):
     buffer or a deepcopy rebinds; an in-place load_state_dict is seen without rebinding."""
     import copy
     from rana.modules.int8 import Int8Linear
-    from rana.modules.operands import OPERANDS
+    from rana.modules.operands import KEPT
     torch.manual_seed(0)
     lin = torch.nn.Linear(48, 40)
     q = torch.randint(-127, 128, (40, 48), dtype=torch.int8)
@@ -214,7 +214,7 @@ def test_int8_modules_bind_their_own_tensors(native):
         m(x)
         assert _bound_call(m) is not call
         m.to(torch.float64)
-        assert OPERANDS not in m.__dict__
+        assert not any(key.startswith(KEPT) for key in m.__dict__)
 
 
 def test_native_int8_declines_what_it_cannot_do(native):

@@ -10,7 +10,7 @@ import torch.nn as nn
 from ..kernels.route import DEFAULT_SPARSITY_BIN, decode_masked, sparsity_bin
 from ..kernels.weights import Weight
 from .int8 import Int8Linear
-from .operands import MASKED, OPERANDS, drop_operands, layer_weight
+from .operands import MASKED, MASKED_KEY, drop_operands, layer_weight
 
 
 def column_major_linear(weight: torch.Tensor, bias: torch.Tensor | None = None) -> nn.Linear:
@@ -148,9 +148,8 @@ class MaskedDecode:
             return None
         w = None
         if not torch.compiler.is_compiling():  # decode_weight's check of a kept operand, spelled out
-            cache = self.__dict__.get(OPERANDS)
-            hit = None if cache is None else cache.get(MASKED)
-            if hit is not None and hit[0] is layer and hit[2](hit[1], layer):
+            hit = self.__dict__.get(MASKED_KEY)
+            if hit is not None and hit[0] is layer and hit[1] is not None and hit[2](hit[1], layer):
                 w = hit[1]
         if w is None:
             w = self.decode_weight(layer)

@@ -9,8 +9,8 @@ A module keeps the operands of the layers it decodes through (`layer_weight`), o
 matrix its mask selects rows of; "code": a rank adapter's B), so the backend and the native call are chosen
 once, not per token. An operand is remade when its layer or the layer's tensors are replaced (a load, a
 `.data` swap is seen by the bound call itself), and dropped (`drop_operands`) when the module moves or is
-restored after a load or a LoRA merge. A deep copy or pickle of the module carries no operand (`Operands`):
-the copy makes its own. Under torch.compile nothing is kept: a traced step makes its operands for the
+restored after a load or a LoRA merge. A deep copy or pickle of the module carries no operand (an operand
+reduces to None): the copy makes its own. Under torch.compile nothing is kept: a traced step makes its operands for the
 trace (no cache to guard on or to mutate inside the graph), and their backend only picks the registered ops.
 
 This file ships with exports (remote code).
@@ -24,8 +24,11 @@ import torch.nn as nn
 
 from ..kernels.weights import FloatWeight, Weight
 
-OPERANDS = "_decode_operands"  # where a module keeps its operands: {role: (layer or None, operand, current or None)}
+KEPT = "_decode_operand_"  # a module keeps the operand of `role` in its __dict__ under KEPT + role:
+#                            (layer or None, operand, current or None); one key per role, no dict of its own to
+#                            read per token
 MASKED = "masked"  # the role of the matrix an adapter's mask selects rows of
+MASKED_KEY = KEPT + MASKED
 
 # layer type -> (make(layer) -> Weight, current(operand, layer) -> bool)
 LAYER_WEIGHTS: dict[type, tuple[Callable, Callable]] = {}
@@ -49,40 +52,22 @@ def _linear_current(operand: FloatWeight, layer: nn.Linear) -> bool:
 register_layer_weight(nn.Linear, _linear_weight, _linear_current)
 
 
-class Operands(dict):
-    """A module's operands, {role: (layer, operand, current)}: never copied (a deep copy or a pickle of the
-    module starts with none, and makes its own from its own tensors)."""
-
-    def __deepcopy__(self, memo):
-        return Operands()
-
-    def __reduce__(self):
-        return Operands, ()
-
-
-def _operands(owner: nn.Module) -> Operands:
-    cache = owner.__dict__.get(OPERANDS)
-    if cache is None:
-        cache = owner.__dict__[OPERANDS] = Operands()
-    return cache
-
-
 def layer_weight(owner: nn.Module, role: str, layer: nn.Module) -> Weight | None:
     """`layer`'s operand, kept on `owner` under `role` while it describes the layer; None for a layer the
     kernels do not read (a peft wrapper). (Runs per projection per token.)"""
     if torch.compiler.is_compiling():
         kind = LAYER_WEIGHTS.get(type(layer))
         return None if kind is None else kind[0](layer)
-    cache = owner.__dict__.get(OPERANDS)
-    hit = None if cache is None else cache.get(role)
-    if hit is not None and hit[0] is layer and hit[2](hit[1], layer):
+    key = KEPT + role
+    hit = owner.__dict__.get(key)
+    if hit is not None and hit[0] is layer and hit[1] is not None and hit[2](hit[1], layer):
         return hit[1]
     kind = LAYER_WEIGHTS.get(type(layer))
     if kind is None:
-        _operands(owner).pop(role, None)
+        owner.__dict__.pop(key, None)
         return None
     operand = kind[0](layer)
-    _operands(owner)[role] = (layer, operand, kind[1])
+    owner.__dict__[key] = (layer, operand, kind[1])
     return operand
 
 
@@ -91,8 +76,7 @@ def kept_operand(owner: nn.Module, role: str) -> Weight | None:
     them), or None (always under torch.compile)."""
     if torch.compiler.is_compiling():
         return None
-    cache = owner.__dict__.get(OPERANDS)
-    hit = None if cache is None else cache.get(role)
+    hit = owner.__dict__.get(KEPT + role)
     return None if hit is None else hit[1]
 
 
@@ -100,14 +84,15 @@ def keep_operand(owner: nn.Module, role: str, operand: Weight) -> Weight:
     """Keep `operand`, made by `owner` of weights of its own, under `role` (not under torch.compile); returns it."""
     if torch.compiler.is_compiling():
         return operand
-    _operands(owner)[role] = (None, operand, None)  # not the owner itself: no reference cycle to keep it alive
+    owner.__dict__[KEPT + role] = (None, operand, None)  # not the owner itself: no reference cycle to keep it alive
     return operand
 
 
 def drop_operands(module: nn.Module) -> None:
     """Forget `module`'s operands (its tensors moved, or were replaced): the next token makes them anew."""
-    module.__dict__.pop(OPERANDS, None)
+    for key in [k for k in module.__dict__ if k.startswith(KEPT)]:
+        del module.__dict__[key]
 
 
-__all__ = ["OPERANDS", "MASKED", "LAYER_WEIGHTS", "Operands", "register_layer_weight", "layer_weight", "kept_operand",
+__all__ = ["KEPT", "MASKED", "MASKED_KEY", "LAYER_WEIGHTS", "register_layer_weight", "layer_weight", "kept_operand",
            "keep_operand", "drop_operands"]
