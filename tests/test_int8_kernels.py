@@ -217,6 +217,29 @@ def test_int8_modules_bind_their_own_tensors(native):
         assert not any(key.startswith(KEPT) for key in m.__dict__)
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_route_keeps_half_precision_int8_tokens_on_the_kernel(native, dtype, monkeypatch):
+    """A bf16 / fp16 token (or bias) on int8 weights: the bound call declines it and the route calls the kernel
+    for this one call with fp32 operands (as the module path always did), never the torch path; alone and
+    in a group (q/k/v, gate/up)."""
+    def no_torch_path(*args):
+        raise AssertionError("a one-token int8 call on CPU reached the torch path")
+
+    monkeypatch.setattr(route, "_torch_masked", no_torch_path)
+    for mode in MODES:
+        q_t, qs, v, t, scale, b = _problem(70, 50, dtype, mode, 0.4, seed=15, lead=(1, 1))
+        thr = None if mode == "none" else torch.tensor(t, dtype=torch.float32)
+        for bias in (b, b.to(dtype), None):
+            per_call = _per_call(q_t, qs, v, -math.inf if thr is None else float(thr), mode, scale, bias)
+            w = Int8Weight(q_t, qs, bias)
+            assert torch.equal(route.decode_masked(w, v, thr, mode, scale), per_call)
+            w2 = Int8Weight(q_t[:, :20], qs[:20], None if bias is None else bias[:20])
+            ys = route.decode_masked_grouped([w, w2], [v, v], [thr, thr], mode, [scale, scale])
+            assert torch.equal(ys[0], per_call.reshape(-1))
+            assert torch.equal(ys[1], _per_call(q_t[:, :20], qs[:20], v, -math.inf if thr is None else float(thr),
+                                                mode, scale, None if bias is None else bias[:20]).reshape(-1))
+
+
 def test_native_int8_declines_what_it_cannot_do(native):
     q_t, qs, v, t, _, b = _problem(40, 24, torch.float32, "abs", 0.5)
     assert _per_call(q_t.float(), qs, v, t, "abs") is None  # not int8
