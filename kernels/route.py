@@ -27,7 +27,7 @@ import torch
 from .ops import OP_NAMES  # noqa: F401  importing ops registers the rana:: ops the traced rows call
 from .torch_gemv import (expert_masked_gemv_dense, expert_masked_gemv_gather, masked_gemv_dense, masked_gemv_gather,
                          masked_gemv_int8_dense, masked_gemv_int8_gather)
-from .cpu_gemv import expert_masked_gemv_native, native_masked
+from .cpu_gemv import expert_masked_gemv_native
 from .triton_gemv import expert_masked_gemv_triton, grouped_dense_gemv_triton, grouped_masked_gemv_triton, sparsity_bin
 from .weights import FloatWeight, Weight, eager_cpu
 
@@ -109,10 +109,9 @@ def _torch_masked(w: Weight, v, threshold, mode, scale, sbin):
 
 
 def _native_masked(w: Weight, v, threshold, mode, scale, sbin):
-    """One CPU token through the operand's bound native call. What it declines: int8 weights with a bf16 / fp16
-    token, bias or scale still take the kernel, their operands converted to fp32 for the call
-    (cpu_gemv.native_masked); everything else (float weights with a non-fp32 token, another layout, gradients
-    wanted for v) and several tokens take the torch path. (Runs per projection per token: no helper calls.)"""
+    """One CPU token through the operand's bound native call; what that declines, through the kernel with operands
+    converted for one call where the format has that (Weight.native_once: int8 with a bf16 / fp16 token), else
+    the torch path, as several tokens are. (Runs per projection per token: no helper calls before the kernel.)"""
     if v.numel() == v.shape[-1]:
         call = w.bound  # Weight.native's check of a kept call, spelled out
         stored = w.stored
@@ -123,11 +122,9 @@ def _native_masked(w: Weight, v, threshold, mode, scale, sbin):
         y = call(v, t)
         if y is not None:
             return y
-        if w.format == "int8":  # a bf16 / fp16 token, bias or scale: the kernel still, its operands fp32 for this call
-            w_t, qscale, bias = w.op_tensors()
-            y = native_masked(w_t, qscale, v, t, mode, scale, bias)
-            if y is not None:
-                return y
+        y = w.native_once(v, t, mode, scale)  # what the format converts for one call (int8: bf16 / fp16 tokens)
+        if y is not None:
+            return y
     return _torch_masked(w, v, threshold, mode, scale, sbin)
 
 

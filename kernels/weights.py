@@ -24,7 +24,7 @@ import os
 
 import torch
 
-from .cpu_gemv import NativeCall, native_kernel
+from .cpu_gemv import NativeCall, native_kernel, native_masked
 from .triton_gemv import interpreting, kernels_available
 
 __all__ = ["Weight", "FloatWeight", "Int8Weight", "backend_for", "eager_cpu", "BACKENDS", "TRITON_ON_CPU"]
@@ -88,6 +88,11 @@ class Weight:
             call = self.bound = NativeCall.bind(w_t, qscale, mode, scale, bias)
         return call
 
+    def native_once(self, v: torch.Tensor, threshold: float, mode: str, scale: torch.Tensor | None):
+        """The native kernel for a token the bound call declined, its operands converted for this one call; None
+        (the default): the format has no such conversion and the token takes the torch path."""
+        return None
+
     def __reduce__(self):  # holds a module's tensors and a call bound to their addresses: a copy remakes its own
         return _unpickled_none, ()
 
@@ -145,3 +150,8 @@ class Int8Weight(Weight):
 
     def op_tensors(self):
         return self.q_t, self.qscale, self.bias
+
+    def native_once(self, v, threshold, mode, scale):
+        """A bf16 / fp16 token, bias or scale: the kernel still, with fp32 operands for this call (the int8 kernel
+        takes any float token that way; its bound call declines them so that the fp32 case pays no checks)."""
+        return native_masked(self.q_t, self.qscale, v, threshold, mode, scale, self.bias)
