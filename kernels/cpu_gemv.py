@@ -38,6 +38,11 @@ in the inner loop (AVX-512 / AVX2 intrinsics where the build targets them, plain
 column at the end: ``y = qscale ⊙ ((m ⊙ v) @ q_t) (+ bias)``. There is no int8 BLAS to fall back to, so it
 always multiplies; with everything active it is the dense int8 GEMV.
 
+int8 weights with int8 activations (W8A8, ``activations="int8"``): the kept inputs quantized per token in blocks
+of 64 input positions (one fp32 scale each, symmetric, round half to even: :func:`torch_gemv.quantize_activations`
+is the same in torch) and multiplied int8 × int8 with int32 sums: AVX-512 VNNI, AVX2 or portable C, the widest this
+CPU runs (:func:`a8_isa`; ``RANA_CPU_ISA=avx2|scalar`` forces a narrower one).
+
 This file is self-contained (torch + stdlib + modes.py) so it can be copied next to an exported model,
 where the C source is inlined (`SHIPPED_SOURCE`: remote code ships .py files only).
 """
@@ -61,7 +66,7 @@ import torch
 
 from .modes import HEADER_NAME, MODE_IDS, c_header
 
-__all__ = ["NativeCall", "native_masked", "expert_masked_gemv_native", "native_kernel", "native_status",
+__all__ = ["NativeCall", "native_masked", "a8_isa", "A8_ISAS", "ACTIVATIONS", "expert_masked_gemv_native", "native_kernel", "native_status",
            "native_limit", "dense_streak", "reset_dense_streaks", "source", "library_name", "build_variant",
            "Library", "BUILD_FLAGS", "BUILD_ATTEMPTS", "DENSE_STREAK"]
 
@@ -104,6 +109,22 @@ class Library(NamedTuple):
     masked_i8: object  # rana_masked_gemv_i8(operands, x, t, y, threads) -> kept count, -1: no scratch
     expert: object  # rana_expert_masked_gemv(w, x, experts, t, S, K, N, lde, ldw, ldx, y, threads) -> 0 / -1
     lanes: int  # the int8 inner loop's vector width (rana_i8_lanes)
+    masked_a8: object = None  # rana_masked_gemv_a8(operands, x, t, y, threads): int8 activations; as masked_i8
+    a8_best: int = 0  # the widest W8A8 loop this CPU runs (rana_a8_isa_best: an index of A8_ISAS)
+
+
+# The W8A8 inner loops, by the C source's RANA_ISA_* id; the activation formats an int8 weight decodes with.
+A8_ISAS = ("scalar", "avx2", "avx512_vnni")
+ACTIVATIONS = ("float", "int8")
+
+
+def a8_isa(library: "Library | None" = None) -> int:
+    """The W8A8 loop to bind (an index of A8_ISAS): the widest the CPU runs, or the narrower one ``RANA_CPU_ISA``
+    names (read on each bind: tests force each loop)."""
+    lib = library if library is not None else _load()[0]
+    best = lib.a8_best if lib is not None else 0
+    wanted = os.environ.get("RANA_CPU_ISA", "").strip().lower()
+    return min(best, A8_ISAS.index(wanted)) if wanted in A8_ISAS else best
 
 
 def _bind_entries(lib: ctypes.CDLL) -> Library:
@@ -114,13 +135,15 @@ def _bind_entries(lib: ctypes.CDLL) -> Library:
     i8.argtypes, i8.restype = [p, p, f32, p, i32], i64
     expert = lib.rana_expert_masked_gemv
     expert.argtypes, expert.restype = [p, p, p, p, i64, i64, i64, i64, i64, i64, p, i32], i64
-    return Library(f, i8, expert, int(lib.rana_i8_lanes()))
+    a8 = lib.rana_masked_gemv_a8
+    a8.argtypes, a8.restype = [p, p, f32, p, i32], i64
+    return Library(f, i8, expert, int(lib.rana_i8_lanes()), a8, int(lib.rana_a8_isa_best()))
 
 
 class _Operands(ctypes.Structure):  # rana_operands in cpu_gemv.c
     _fields_ = [("w", ctypes.c_void_p), ("qscale", ctypes.c_void_p), ("scale", ctypes.c_void_p),
                 ("bias", ctypes.c_void_p), ("K", ctypes.c_int64), ("N", ctypes.c_int64), ("ldw", ctypes.c_int64),
-                ("mode", ctypes.c_int64)]
+                ("mode", ctypes.c_int64), ("isa", ctypes.c_int64)]
 
 
 # --------------------------------------------------------------------------------------------
@@ -143,10 +166,11 @@ class NativeCall:
     tensors, so a bound address is never stale. Deepcopy and pickle give None: a copy binds its own tensors.
     """
 
-    __slots__ = ("tensors", "mode", "K", "N", "int8", "ptr", "_fn", "_operands", "_address", "_weight")
+    __slots__ = ("tensors", "mode", "K", "N", "int8", "ptr", "activations", "_fn", "_operands", "_address", "_weight")
 
-    def __init__(self, tensors: tuple, mode: str, K: int = 0, N: int = 0, fn=None, operands=None):
-        self.tensors, self.mode, self.K, self.N = tensors, mode, K, N
+    def __init__(self, tensors: tuple, mode: str, K: int = 0, N: int = 0, fn=None, operands=None,
+                 activations: str = "float"):
+        self.tensors, self.mode, self.K, self.N, self.activations = tensors, mode, K, N, activations
         self.int8 = tensors[1] is not None
         self.ptr = tensors[0].data_ptr() if tensors[0].device.type != "meta" else 0
         self._fn, self._operands = fn, operands
@@ -156,12 +180,17 @@ class NativeCall:
 
     @classmethod
     def bind(cls, w_t: torch.Tensor, qscale: torch.Tensor | None, mode: str, scale: torch.Tensor | None = None,
-             bias: torch.Tensor | None = None, library: Library | None = None) -> "NativeCall":
+             bias: torch.Tensor | None = None, library: Library | None = None, activations: str = "float",
+             isa: int | None = None) -> "NativeCall":
         """`w_t` (K, N): float32 weights, or int8 codes with their fp32 per-output-channel `qscale` (N,).
-        `library`: the entry points to call (a variant build, :func:`build_variant`); default the loaded one."""
+        `library`: the entry points to call (a variant build, :func:`build_variant`); default the loaded one.
+        `activations` "int8" (int8 weights only): the W8A8 kernel, with the inner loop `isa` (an index of A8_ISAS;
+        default :func:`a8_isa`)."""
         tensors = (w_t, qscale, scale, bias)
-        unusable = cls(tensors, mode)
+        unusable = cls(tensors, mode, activations=activations)
         lib = library if library is not None else _load()[0]
+        if activations not in ACTIVATIONS or (activations == "int8" and qscale is None):
+            return unusable
         mode_id = MODE_IDS.get(mode)
         if lib is None or mode_id is None or w_t.dim() != 2 or not w_t.is_cpu:
             return unusable
@@ -179,7 +208,10 @@ class NativeCall:
         operands = _Operands(w_t.data_ptr(), None if qscale is None else qscale.data_ptr(),
                              None if used[1] is None else used[1].data_ptr(),
                              None if bias is None else bias.data_ptr(), K, N, w_t.stride(0) if K > 1 else N,
-                             mode_id)
+                             mode_id, 0)
+        if activations == "int8":
+            operands.isa = min(a8_isa(lib) if isa is None else isa, lib.a8_best)
+            return cls(tensors, mode, K, N, lib.masked_a8, operands, activations)
         return cls(tensors, mode, K, N, lib.masked_i8 if int8 else lib.masked_f32, operands)
 
     def binds(self, w_t, qscale, mode: str, scale=None, bias=None) -> bool:
@@ -247,10 +279,11 @@ class NativeCall:
 
 def native_masked(w_t: torch.Tensor, qscale: torch.Tensor | None, v: torch.Tensor, threshold: float, mode: str,
                   scale: torch.Tensor | None = None, bias: torch.Tensor | None = None,
-                  limit: int | None = None) -> torch.Tensor | None:
+                  limit: int | None = None, activations: str = "float") -> torch.Tensor | None:
     """One CPU token through the native kernel, its operands bound for this call only (the registered ops,
     tests): ``(m ⊙ v) @ w_t (+ bias)`` for float32 ``w_t``, ``qscale ⊙ ((m ⊙ v) @ q_t) (+ bias)`` for int8
-    codes. int8 weights take any float token and scales (converted to fp32; the output in v's dtype); float
+    codes (``activations="int8"``: the W8A8 kernel). int8 weights take any float token and scales (converted to
+    fp32; the output in v's dtype); float
     weights take fp32 only. ``threshold`` a Python float. None where the kernel is unavailable or the
     operands do not suit it (see :class:`NativeCall`; also gradients wanted, under torch.compile): the
     caller's torch path."""
@@ -265,7 +298,8 @@ def native_masked(w_t: torch.Tensor, qscale: torch.Tensor | None, v: torch.Tenso
     # int8 weights: the token, scales and bias in fp32 for this call (the output back in v's dtype)
     K, N = w_t.shape
     x = v if v.dtype is torch.float32 and v.is_contiguous() else v.float().contiguous()
-    y = NativeCall.bind(w_t, _fp32(qscale, N), mode, _fp32(scale, K), _fp32(bias, N))(x, threshold)
+    y = NativeCall.bind(w_t, _fp32(qscale, N), mode, _fp32(scale, K), _fp32(bias, N),
+                        activations=activations)(x, threshold)
     return y if y is None or v.dtype is torch.float32 else y.to(v.dtype)
 
 
@@ -524,7 +558,7 @@ def _load() -> tuple[Library | None, str]:
         threading_note = "OpenMP" if OPENMP_FLAG in flags else "single-threaded"
         int8_note = _I8_LOOPS.get(entries.lanes, "scalar")
         return entries, (f"native ({os.path.basename(compiler)} {' '.join(flags[:2])}, {threading_note}, "
-                         f"int8 rows {int8_note}){note}")
+                         f"int8 rows {int8_note}, int8 x int8 {A8_ISAS[entries.a8_best]}){note}")
     return None, f"torch fallback (native kernel build failed: {error[:200]})"
 
 

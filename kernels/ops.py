@@ -12,6 +12,12 @@ int8 codes ``w_t`` with their per-output-channel scales ``qscale`` (N,) (None fo
     rana::decode_masked_grouped(Tensor[] vs, Tensor[] w_ts, Tensor?[] qscales, Tensor[] thresholds, str mode,
                                 Tensor?[] scales, Tensor?[] biases) -> Tensor
         custom_op; one token through each of up to three projections (q/k/v, gate/up), outputs concatenated (1-D).
+    rana::decode_masked_a8(Tensor w_t, Tensor? qscale, Tensor v, Tensor threshold, str mode, Tensor? scale,
+                           Tensor? bias) -> Tensor
+    rana::decode_masked_grouped_a8(...)  (decode_masked_grouped's schema)
+        custom_ops; int8 weights with int8 activations (W8A8): each token's kept inputs quantized per block of 64
+        (torch_gemv.quantize_activations) and multiplied int8 × int8; CPU: one token through the native W8A8
+        kernel, else the quantized input through the int8 torch paths.
     rana::decode_masked_triton(Tensor[] vs, Tensor[] w_ts, Tensor?[] qscales, Tensor[] thresholds, str mode,
                                Tensor?[] scales, Tensor?[] biases, SymInt sparsity_bin) -> Tensor
         triton_op (registered when the Triton kernels can run): the grouped kernel of triton_gemv.py
@@ -47,8 +53,8 @@ import torch
 
 from .cpu_gemv import expert_masked_gemv_native
 from .modes import mode_id
-from .torch_gemv import (expert_masked_gemv_dense, expert_masked_gemv_gather, masked_gemv_int8_torch,
-                         masked_gemv_torch)
+from .torch_gemv import (expert_masked_gemv_dense, expert_masked_gemv_gather, masked_gemv_a8_torch,
+                         masked_gemv_int8_torch, masked_gemv_torch)
 from .triton_gemv import (expert_masked_gemv_triton, grouped_dense_gemv_triton, grouped_masked_gemv_triton,
                           kernels_available)
 
@@ -70,6 +76,22 @@ def decode_masked_impl(w_t: torch.Tensor, qscale: Optional[torch.Tensor], v: tor
     else:
         y = masked_gemv_int8_torch(w_t, qscale, v, threshold, mode=mode, scale=scale, bias=bias)
     return y.contiguous()
+
+
+def decode_masked_a8_impl(w_t: torch.Tensor, qscale: torch.Tensor, v: torch.Tensor, threshold: torch.Tensor,
+                          mode: str, scale: Optional[torch.Tensor], bias: Optional[torch.Tensor]) -> torch.Tensor:
+    """rana::decode_masked_a8's implementation: int8 weights with int8 activations (torch_gemv.masked_gemv_a8_torch:
+    one CPU token through the native W8A8 kernel)."""
+    mode_id(mode)
+    return masked_gemv_a8_torch(w_t, qscale, v, threshold, mode=mode, scale=scale, bias=bias).contiguous()
+
+
+def _decode_masked_grouped_a8_impl(vs: Sequence[torch.Tensor], w_ts: Sequence[torch.Tensor],
+                                   qscales: Sequence[Optional[torch.Tensor]], thresholds: Sequence[torch.Tensor],
+                                   mode: str, scales: Sequence[Optional[torch.Tensor]],
+                                   biases: Sequence[Optional[torch.Tensor]]) -> torch.Tensor:
+    return torch.cat([decode_masked_a8_impl(w, q, v, t, mode, s, b).reshape(-1)
+                      for v, w, q, t, s, b in zip(vs, w_ts, qscales, thresholds, scales, biases)])
 
 
 def expert_masked_gemv_impl(w_t: torch.Tensor, v: torch.Tensor, idx: torch.Tensor,
@@ -140,6 +162,8 @@ def _expert_masked_gemv_triton_impl(w_t: torch.Tensor, v: torch.Tensor, idx: tor
 _CUSTOM = {
     "decode_masked": (decode_masked_impl, _decode_masked_fake),
     "decode_masked_grouped": (_decode_masked_grouped_impl, _decode_masked_grouped_fake),
+    "decode_masked_a8": (decode_masked_a8_impl, _decode_masked_fake),
+    "decode_masked_grouped_a8": (_decode_masked_grouped_a8_impl, _decode_masked_grouped_fake),
     "expert_masked_gemv": (expert_masked_gemv_impl, _expert_masked_gemv_fake),
 }
 _TRITON = {

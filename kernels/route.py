@@ -25,8 +25,9 @@ from typing import Callable, NamedTuple, Optional, Sequence
 import torch
 
 from .ops import OP_NAMES  # noqa: F401  importing ops registers the rana:: ops the traced rows call
-from .torch_gemv import (expert_masked_gemv_dense, expert_masked_gemv_gather, masked_gemv_dense, masked_gemv_gather,
-                         masked_gemv_int8_dense, masked_gemv_int8_gather)
+from .torch_gemv import (KEEP_NONZERO, a8_masked_input, expert_masked_gemv_dense, expert_masked_gemv_gather,
+                         masked_gemv_a8_torch, masked_gemv_dense, masked_gemv_gather, masked_gemv_int8_dense,
+                         masked_gemv_int8_gather)
 from .cpu_gemv import expert_masked_gemv_native
 from .triton_gemv import expert_masked_gemv_triton, grouped_dense_gemv_triton, grouped_masked_gemv_triton, sparsity_bin
 from .weights import FloatWeight, Weight, eager_cpu
@@ -98,6 +99,8 @@ def _torch_masked(w: Weight, v, threshold, mode, scale, sbin):
     """One CPU token: the active rows gathered (embedding_bag / index_select); several tokens or another
     device: the dense masked product (sync-free)."""
     w_t, qscale, bias = w.op_tensors()
+    if w.activations == "int8":  # W8A8: its own torch path (the quantized kept inputs)
+        return masked_gemv_a8_torch(w_t, qscale, v, threshold, mode=mode, scale=scale, bias=bias)
     gather = v.is_cpu and w_t.is_cpu and _one_token(v)
     if qscale is None:
         if gather:
@@ -145,10 +148,22 @@ def _split(flat: torch.Tensor, w_ts) -> list[torch.Tensor]:
     return list(flat.split([w.shape[1] for w in w_ts]))
 
 
+def _a8_inputs(ws, vs, thresholds, mode, scales):
+    """A W8A8 group as the float-activation kernels take it: each token's kept inputs quantized (torch ops,
+    sync-free), kept again exactly where nonzero (mode "abs" at KEEP_NONZERO); other groups unchanged."""
+    if ws[0].activations != "int8":
+        return vs, thresholds, mode, scales
+    vs = [a8_masked_input(v, t, mode, s) for v, t, s in zip(vs, thresholds, scales)]
+    keep = torch.full((), KEEP_NONZERO, dtype=torch.float32, device=vs[0].device)
+    return vs, [keep] * len(vs), "abs", [None] * len(vs)
+
+
 def _triton_grouped(ws, vs, thresholds, mode, scales, sbin):
+    dtype = vs[0].dtype
+    vs, thresholds, mode, scales = _a8_inputs(ws, vs, thresholds, mode, scales)
     w_ts, qscales, biases, ts = _group_args(ws, vs, thresholds)
-    return _split(grouped_masked_gemv_triton(list(vs), w_ts, ts, mode, list(scales), biases, sbin, qscales=qscales),
-                  w_ts)
+    ys = grouped_masked_gemv_triton(list(vs), w_ts, ts, mode, list(scales), biases, sbin, qscales=qscales)
+    return _split(ys.to(dtype), w_ts)
 
 
 def _group_of_one(grouped: Callable, several: Callable) -> Callable:
@@ -198,12 +213,14 @@ def _triton_dense_grouped(ws, vs):
 # --------------------------------------------------------------------------------------------
 def _op_masked(w: Weight, v, threshold, mode, scale, sbin):
     w_t, qscale, bias = w.op_tensors()
-    return torch.ops.rana.decode_masked(w_t, qscale, v, _device_threshold(threshold, v), mode, scale, bias)
+    op = torch.ops.rana.decode_masked_a8 if w.activations == "int8" else torch.ops.rana.decode_masked
+    return op(w_t, qscale, v, _device_threshold(threshold, v), mode, scale, bias)
 
 
 def _op_grouped(ws, vs, thresholds, mode, scales, sbin):
     w_ts, qscales, biases, ts = _group_args(ws, vs, thresholds)
-    return _split(torch.ops.rana.decode_masked_grouped(list(vs), w_ts, qscales, ts, mode, list(scales), biases), w_ts)
+    op = torch.ops.rana.decode_masked_grouped_a8 if ws[0].activations == "int8" else torch.ops.rana.decode_masked_grouped
+    return _split(op(list(vs), w_ts, qscales, ts, mode, list(scales), biases), w_ts)
 
 
 def _op_expert(w: FloatWeight, v, idx, thresholds):
@@ -211,9 +228,11 @@ def _op_expert(w: FloatWeight, v, idx, thresholds):
 
 
 def _triton_op_grouped(ws, vs, thresholds, mode, scales, sbin):
+    dtype = vs[0].dtype
+    vs, thresholds, mode, scales = _a8_inputs(ws, vs, thresholds, mode, scales)
     w_ts, qscales, biases, ts = _group_args(ws, vs, thresholds)
-    return _split(torch.ops.rana.decode_masked_triton(list(vs), w_ts, qscales, ts, mode, list(scales), biases, sbin),
-                  w_ts)
+    ys = torch.ops.rana.decode_masked_triton(list(vs), w_ts, qscales, ts, mode, list(scales), biases, sbin)
+    return _split(ys.to(dtype), w_ts)
 
 
 def _triton_op_expert(w: FloatWeight, v, idx, thresholds):

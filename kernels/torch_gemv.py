@@ -58,6 +58,12 @@ __all__ = [
     "masked_gemv_int8_gather",
     "masked_gemv_int8_reference",
     "masked_gemv_int8_torch",
+    "masked_gemv_a8_torch",
+    "masked_gemv_a8_reference",
+    "quantize_activations",
+    "a8_masked_input",
+    "A8_BLOCK",
+    "KEEP_NONZERO",
 ]
 
 # Torch fast path on CPU: gather the active rows (embedding_bag with per-sample weights, no
@@ -277,6 +283,65 @@ def masked_gemv_int8_torch(q_t, qscale, v, threshold, *, mode: str, scale=None, 
     if y is not None:
         return y.reshape(_out_shape(v, q_t.shape[1]))
     return masked_gemv_int8_gather(q_t, qscale, v, threshold, mode=mode, scale=scale, bias=bias)
+
+
+# --------------------------------------------------------------------------------------------
+# int8 activations (W8A8): the kept inputs quantized per token, in blocks of A8_BLOCK input positions
+# --------------------------------------------------------------------------------------------
+A8_BLOCK = 64
+# |x| >= this holds exactly for the nonzero values: a quantized masked input handed to a masked kernel in mode "abs"
+# keeps what the quantization kept (a kept input that quantized to 0 adds nothing either way)
+KEEP_NONZERO = 2.0 ** -149
+
+
+def quantize_activations(x: torch.Tensor) -> torch.Tensor:
+    """`x` (any leading dims; masked inputs hold 0) with each token's values quantized to int8 and back, in fp32:
+    per block of A8_BLOCK positions along the last dim (the last block shorter), ``s = max|x| / 127``,
+    ``q = round_half_even(x * (127 / max|x|))`` within ±127, value ``q * s``. What the native W8A8 kernel computes
+    with int8 sums (cpu_gemv.c, rana_a8_quantize), here as float ops (sync-free, any device, traceable). A block
+    holding inf / NaN gives NaN."""
+    xf = x.float()
+    K = xf.shape[-1]
+    pad = (-K) % A8_BLOCK
+    blocks = torch.nn.functional.pad(xf, (0, pad)).unflatten(-1, (-1, A8_BLOCK))
+    amax = blocks.abs().amax(-1, keepdim=True)
+    inv = torch.where(amax > 0, 127.0 / amax, torch.zeros((), dtype=torch.float32, device=xf.device))
+    q = torch.round(blocks * inv).clamp_(-127.0, 127.0)
+    y = (q * (amax / 127.0)).flatten(-2)
+    return y[..., :K] if pad else y
+
+
+def a8_masked_input(v: torch.Tensor, threshold, mode: str, scale) -> torch.Tensor:
+    """The masked token(s) with their kept inputs quantized (:func:`quantize_activations`), fp32: multiplied with a
+    float-activation kernel at threshold KEEP_NONZERO in mode "abs", it gives the W8A8 product."""
+    mask = _active_mask(v, threshold, mode, scale)
+    x = v.float() if mask is None else torch.where(mask, v.float(), 0.0)
+    return quantize_activations(x)
+
+
+def masked_gemv_a8_torch(q_t, qscale, v, threshold, *, mode: str, scale=None, bias=None) -> torch.Tensor:
+    """The W8A8 product in torch ops, output in v's dtype: one CPU token through the native W8A8 kernel, else the
+    quantized masked input (:func:`a8_masked_input`) through :func:`masked_gemv_int8_gather` (one CPU token) or
+    :func:`masked_gemv_int8_dense` (several tokens, other devices: sync-free)."""
+    check_int8_args(q_t, qscale, v, mode, threshold, scale)
+    K, N = q_t.shape
+    one_cpu_token = v.device.type == "cpu" and q_t.device.type == "cpu" and v.numel() == K
+    if one_cpu_token:
+        t = -math.inf if (mode == "none" or _all_active(threshold)) else float(threshold)
+        y = native_masked(q_t, qscale, v, t, "none" if t == -math.inf else mode, scale, bias, activations="int8")
+        if y is not None:
+            return y.reshape(_out_shape(v, N))
+    x = a8_masked_input(v, threshold, mode, scale)
+    run = masked_gemv_int8_gather if one_cpu_token else masked_gemv_int8_dense
+    return run(q_t, qscale, x, KEEP_NONZERO, mode="abs", bias=bias).to(v.dtype)
+
+
+def masked_gemv_a8_reference(q_t, qscale, v, threshold, *, mode: str, scale=None, bias=None) -> torch.Tensor:
+    """float64 reference of the W8A8 product: the kept inputs quantized as the kernels do (fp32 scale arithmetic),
+    then exact sums in float64."""
+    check_int8_args(q_t, qscale, v, mode, threshold, scale)
+    x = a8_masked_input(v, threshold, mode, scale)
+    return masked_gemv_int8_reference(q_t, qscale, x, None, mode="none", bias=bias)
 
 
 # --------------------------------------------------------------------------------------------

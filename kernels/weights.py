@@ -3,7 +3,9 @@
     FloatWeight   an nn.Linear weight (N, K) stored column-major (its ``w_t = weight.t()`` is (K, N) with unit
                   stride along N: a skipped input skips one contiguous row), or experts stacked (E, N, K) the
                   same way; the bias
-    Int8Weight    int8 codes ``q_t`` (K, N), unit stride along N, fp32 per-output-channel scales (N,); the bias
+    Int8Weight    int8 codes ``q_t`` (K, N), unit stride along N, fp32 per-output-channel scales (N,); the bias; its
+                  activation format (``activations``: "float", or "int8": each token's kept inputs quantized per
+                  block of 64, multiplied int8 × int8, torch_gemv.quantize_activations)
 
 A module makes its operand once (rana.modules.common: on its first decode token after it was built, loaded or
 moved) and hands it to the entry points of the decode route (route.py), whatever its format. The operand
@@ -66,6 +68,7 @@ class Weight:
     and the native call bound for a mask mode and scale."""
 
     format: str = ""
+    activations: str = "float"  # the tokens as the kernels multiply them (Int8Weight may take "int8")
     # stored: the tensor whose storage a bound call reads, checked per token (None: not checked); bound: the native
     # call bound last (see `native`)
     __slots__ = ("bias", "backend", "stored", "bound")
@@ -85,7 +88,7 @@ class Weight:
         if call is None or call.mode != mode or call.tensors[2] is not scale or (
                 self.stored is not None and call.ptr != self.stored.data_ptr()):
             w_t, qscale, bias = self.op_tensors()
-            call = self.bound = NativeCall.bind(w_t, qscale, mode, scale, bias)
+            call = self.bound = NativeCall.bind(w_t, qscale, mode, scale, bias, activations=self.activations)
         return call
 
     def native_once(self, v: torch.Tensor, threshold: float, mode: str, scale: torch.Tensor | None):
@@ -127,13 +130,16 @@ class FloatWeight(Weight):
 
 
 class Int8Weight(Weight):
-    """int8 codes `q_t` (K, N) with unit stride along N and fp32 per-output-channel `qscale` (N,); `bias`."""
+    """int8 codes `q_t` (K, N) with unit stride along N and fp32 per-output-channel `qscale` (N,); `bias`;
+    `activations` "float" (W8A16: fp32 tokens times the codes) or "int8" (W8A8)."""
 
     format = "int8"
-    __slots__ = ("q_t", "qscale")
+    __slots__ = ("q_t", "qscale", "activations")
 
-    def __init__(self, q_t: torch.Tensor, qscale: torch.Tensor, bias: torch.Tensor | None = None):
+    def __init__(self, q_t: torch.Tensor, qscale: torch.Tensor, bias: torch.Tensor | None = None,
+                 activations: str = "float"):
         self.q_t, self.qscale, self.bias, self.bound = q_t, qscale, bias, None
+        self.activations = activations
         # int8 codes are buffers, replaced (not swapped in place) when they change: the identity checks of its
         # layer's operand see that, and a token does not read the storage's address (float weights are
         # Parameters, whose `.data` peft and rana's loaders swap)
@@ -154,4 +160,4 @@ class Int8Weight(Weight):
     def native_once(self, v, threshold, mode, scale):
         """A bf16 / fp16 token, bias or scale: the kernel still, with fp32 operands for this call (the int8 kernel
         takes any float token that way; its bound call declines them so that the fp32 case pays no checks)."""
-        return native_masked(self.q_t, self.qscale, v, threshold, mode, scale, self.bias)
+        return native_masked(self.q_t, self.qscale, v, threshold, mode, scale, self.bias, activations=self.activations)

@@ -1,5 +1,5 @@
 """benchmarks/bench_int8.py without running it: --help works, --smoke refuses to write over the committed
-results, the targets are judged as issue 28 states them and the table writer formats a made-up result
+results, the targets are judged as issue 38 states them and the table writer formats a made-up result
 (no timing is measured or asserted here)."""
 import importlib.util
 import os
@@ -44,12 +44,13 @@ def test_smoke_settings_and_refusal(bench, tmp_path):
     assert a.flops_list == [0.7] and a.extra == ["--lm-head", "dense"] and a.out is None
 
 
-def _fake(bench):
+def _fake(bench, model="smollm2-135m"):
     rows = {
         bench.DENSE_FP32: {"ms_per_token": 50.0, "decode_tokens_per_s": 20.0},
         bench.TORCH_INT8: {"ms_per_token": 30.0, "decode_tokens_per_s": 33.3},
-        bench.sparse_name(0.58, "int8"): {"ms_per_token": 15.0, "decode_tokens_per_s": 66.7},
-        bench.LLAMA: {"ms_per_token": 5.0, "decode_tokens_per_s": 200.0},
+        bench.DENSE_RANA["int8"]: {"ms_per_token": 25.0, "decode_tokens_per_s": 40.0},
+        bench.sparse_name(0.58, "W8A8"): {"ms_per_token": 15.0, "decode_tokens_per_s": 66.7},
+        bench.LLAMA: {"ms_per_token": 20.0, "decode_tokens_per_s": 50.0},
         bench.FLOOR: {"ms_per_token": 8.0, "decode_tokens_per_s": 125.0},
     }
     for r in rows.values():
@@ -58,11 +59,11 @@ def _fake(bench):
     ppl = lambda name, f, a, b: {"variant": name, "flops": f, "measured_flops": f,  # noqa: E731
                                  "ppl_pydoc_heldout": a, "ppl_shakespeare": b}
     result = {
-        "meta": {"model": "fake", "flops": [0.58], "smoke": False, "commands": ["rana compress x --flops 0.58"]},
+        "meta": {"model": model, "flops": [0.58], "smoke": False, "commands": ["rana compress x --flops 0.58"]},
         "perplexity": [ppl(bench.DENSE_FP32, 1.0, 11.0, 40.0), ppl(bench.sparse_name(0.58, "fp32"), 0.58, 20.0, 60.0),
-                       {**ppl(bench.sparse_name(0.58, "int8"), 0.58, 20.1, 61.2), "measured_macs": 70e6}],
+                       {**ppl(bench.sparse_name(0.58, "W8A8"), 0.58, 20.1, 61.2), "measured_macs": 70e6}],
         "sizes": [{"variant": bench.DENSE_FP32, "bytes": 540_000_000},
-                  {"variant": bench.sparse_name(0.58, "int8"), "bytes": 200_000_000},
+                  {"variant": bench.sparse_name(0.58, "W8A8"), "bytes": 200_000_000},
                   {"variant": bench.LLAMA, "bytes": 145_000_000}],
         "latency": [{"threads": 1, "new_tokens": 64, "prompt_tokens": 16, "warmup": 2, "repeats": 5,
                      "load_avg_start": [0.1], "load_avg_end": [0.2], "rows": rows}],
@@ -74,13 +75,14 @@ def _fake(bench):
 
 
 def test_headroom_is_the_budget_the_target_leaves(bench):
-    """0.6 × 30 ms − the 8 ms floor = 10 ms for 70 MB of kept int8 rows: 7 GB/s; rana's 15 − 8 = 7 ms: 10 GB/s."""
+    """0.9 × 20 ms (llama.cpp) − the 8 ms floor = 10 ms for 70 MB of kept int8 rows: 7 GB/s; rana's 15 − 8 = 7 ms:
+    10 GB/s."""
     (h,) = _fake(bench)["headroom"]
     assert h["budget_ms"] == pytest.approx(10.0) and h["needed_gb_s"] == pytest.approx(7.0)
     assert h["rana_above_floor_ms"] == pytest.approx(7.0) and h["rana_gb_s"] == pytest.approx(10.0)
-    assert h["floor_vs_dense_int8"] == pytest.approx(8 / 30)
+    assert h["floor_vs_llama"] == pytest.approx(8 / 20)
     md = bench.render_markdown(_fake(bench))
-    assert "| 1 | 8.00 | 0.267 | 10.00 | 70.0 | 7.0 GB/s | 7.00 | 10.0 GB/s |" in md
+    assert "| 1 | 8.00 | 0.400 | 10.00 | 70.0 | 7.0 GB/s | 7.00 | 10.0 GB/s |" in md
 
 
 def test_targets_judged_as_issue_states(bench):
@@ -89,17 +91,23 @@ def test_targets_judged_as_issue_states(bench):
     assert len(ppl) == 2
     assert next(x for x in ppl if "pydoc_heldout" in x["target"])["pass"] is True  # +0.5 %
     assert next(x for x in ppl if "shakespeare" in x["target"])["pass"] is False  # +2 %
-    speed = [x for k, x in t.items() if "decode" in k]
-    fp32 = next(x for x in speed if "dense fp32" in x["target"])
-    int8 = next(x for x in speed if "dense int8" in x["target"])
-    assert fp32["measured"] == pytest.approx(0.3) and fp32["pass"] is True
-    assert int8["measured"] == pytest.approx(0.5) and int8["pass"] is True
+    llama = next(x for k, x in t.items() if "llama.cpp" in k)
+    assert llama["measured"] == pytest.approx(0.75) and llama["limit"] == 0.9 and llama["pass"] is True
+    floor = next(x for k, x in t.items() if "floor" in k)
+    assert floor["measured"] == 8.0 and floor["pass"] is False  # 8 ms > 2.6 ms
+    assert not any("dense W8A8" in k for k in t)  # not a SmolLM2 target
+    q = {x["target"]: x for x in _fake(bench, "qwen2.5-coder-1.5b")["targets"]}
+    qllama = next(x for k, x in q.items() if "llama.cpp" in k)
+    assert qllama["limit"] == 0.75 and qllama["pass"] is True  # 0.75 ≤ 0.75
+    dense = next(x for k, x in q.items() if "dense W8A8" in k)
+    assert dense["measured"] == pytest.approx(0.6) and dense["pass"] is True
+    assert not any("floor" in k for k in q)
 
 
 def test_table_formats_a_fake_result(bench):
     md = bench.render_markdown(_fake(bench))
-    assert "| rana int8 F=0.58 | 0.5800 | 200.0 | 20.100 | 61.200 | +0.50% | +2.00% |" in md
-    assert "| llama.cpp Q8_0 | 5.00 | 200.0 | 0.100 | 0.167 |" in md
+    assert "| rana W8A8 F=0.58 | 0.5800 | 200.0 | 20.100 | 61.200 | +0.50% | +2.00% |" in md
+    assert "| llama.cpp Q8_0 | 20.00 | 50.0 | 0.400 | 0.667 |" in md
     assert "| llama.cpp Q8_0 | — | 145.0 |" in md  # a size-only row
     assert "FAIL" in md and "pass" in md and "skipped: nothing" in md and "`rana compress x --flops 0.58`" in md
 

@@ -19,6 +19,7 @@ from rana.finetune import FinetuneConfig, FinetuneError, Trainer, finetune, reso
 from rana.finetune.checkpoints import CheckpointFolder
 from rana.finetune.data import prepare_blocks
 from rana.finetune.int8_lora import Int8LoraLinear
+from rana.modules.int8 import quantize_input
 from rana.finetune.source import inspect_source, probe_tokenizer
 from rana.finetune.trainer import make_accelerator
 from rana.io import read_meta, save
@@ -171,7 +172,10 @@ def test_int8_lora_forward_matches_the_dequantized_reference(work):
     x = torch.randn(3, 5, layer.in_features, requires_grad=True)
     x_ref = x.detach().clone().requires_grad_(True)
     y = layer(x)
-    y_ref = x_ref @ ref_w.t() + (0 if layer.base_layer.bias is None else layer.base_layer.bias)
+    base_in = quantize_input(layer.base_layer, x_ref.detach())  # the base multiplies its input as it decodes
+    lora_in = x_ref - x_ref.detach()  # (zero: the input's gradient path, straight through the rounding)
+    y_ref = (base_in + lora_in) @ w.t() + x_ref @ layer.get_delta_weight("default").t() + (
+        0 if layer.base_layer.bias is None else layer.base_layer.bias)
     torch.testing.assert_close(y, y_ref, rtol=1e-5, atol=1e-5)
     g = torch.randn_like(y)
     y.backward(g)
@@ -221,9 +225,11 @@ def test_merge_requantizes_and_stays_close_to_the_unmerged_model(work, masks):
         got = merged(input_ids=x).logits
     # within the requantization error (at most half a step per weight): ~1 % of these (small, random) logits;
     # with the masks on, a weight that moves by a rounding step also flips the mask entries sitting at a
-    # threshold, which on a random tiny model moves the logits by a few per cent more
+    # threshold, which on a random tiny model moves the logits by a few per cent more; with int8 activations the
+    # merged ΔW also multiplies the quantized input, where the unmerged LoRA term read the float one
     rel = float((got - ref).norm() / ref.norm())
-    assert rel < (0.1 if masks else 2e-2), rel
+    a8 = any(getattr(m, "activations", None) == "int8" for m in merged.modules())
+    assert rel < (0.1 if masks else 2e-2 * (1.5 if a8 else 1.0)), rel
 
 
 def test_merging_untrained_adapters_gives_back_the_source_codes(work):

@@ -290,6 +290,7 @@ def test_int8_folder_reloads_identically_in_a_fresh_process(int8_folders, tmp_pa
     (["quantize", "{missing}", "--weights", "int8", "--out", "{out}"], "does not exist"),
     (["quantize", "{quant}", "--weights", "int8", "--out", "{out}"], "holds int8 weights already"),
     (["quantize", "{src}", "--weights", "int8", "--out", "{src}"], "already exists"),
+    (["quantize", "{src}", "--weights", "int8", "--activations", "int4", "--out", "{out}"], "--activations must be one of"),
 ])
 def test_user_errors_are_one_line(int8_folders, tmp_path, args, message):
     comp, quant = int8_folders

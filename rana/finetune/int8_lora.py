@@ -5,7 +5,8 @@ While training, the base stays what the folder holds: int8 codes (`qweight`, in 
 full-precision copy resident. The forward dequantizes the weight for the call; with gradients wanted
 (`_Int8Matmul`) autograd saves the int8 codes, not the dequantized matrix, and the backward dequantizes
 again to pass the gradient to the input (the codes, scales and bias are frozen: no gradient of their own).
-The adapters `lora_A` / `lora_B` are ordinary linears in the base's compute dtype, added on top of the base
+With int8 activations (W8A8) the base multiplies each token's inputs quantized per block of 64, as it decodes; the
+gradient passes straight through that rounding. The adapters `lora_A` / `lora_B` are ordinary linears in the base's compute dtype, added on top of the base
 output exactly as peft's own `Linear` does.
 
 Merging (`merge_and_unload`, the end of every run) requantizes per output channel:
@@ -36,7 +37,7 @@ from peft.tuners.lora import LoraConfig, LoraLayer
 from peft.tuners.tuners_utils import check_adapters_to_merge
 
 from ..math.quantize import quantize_int8
-from ..modules.int8 import Int8Linear
+from ..modules.int8 import Int8Linear, quantize_input
 
 
 class _Int8Matmul(torch.autograd.Function):
@@ -58,9 +59,13 @@ class _Int8Matmul(torch.autograd.Function):
 
 
 def int8_base_forward(base: Int8Linear, x: torch.Tensor) -> torch.Tensor:
-    """The frozen int8 layer's output; with gradients wanted through x, by `_Int8Matmul`."""
+    """The frozen int8 layer's output; with gradients wanted through x, by `_Int8Matmul`, on the input as the layer
+    multiplies it (int8 activations: quantized per block, the gradient passed straight through the rounding), so
+    training sees the numerics the model decodes with."""
     if not (torch.is_grad_enabled() and x.requires_grad):
         return base(x)
+    if base.activations == "int8":
+        x = x + (quantize_input(base, x.detach()) - x.detach())  # straight-through: forward quantized, grad identity
     y = _Int8Matmul.apply(x, base._buffers["qweight"], base._buffers["weight_scale"])
     bias = base._parameters["bias"]
     return y if bias is None else y + bias.to(y.dtype)

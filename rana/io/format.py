@@ -18,6 +18,7 @@ import torch.nn as nn
 
 from ..archs import text_config
 from ..modules import rebuild
+from ..modules.int8 import activations_of
 from ..modules.registry import adapter_class
 from ..errors import UserError
 from .compress_settings import CompressSettings  # re-exported: it moved to its own module
@@ -97,10 +98,13 @@ def install_empty_adapters(model: nn.Module, specs: list[dict], dtype: torch.dty
 
 
 def weights_meta(model: nn.Module) -> dict:
-    """rana_config.json's record of int8 weights: {"weights": "int8", "int8": {"modules": [paths]}} when the
-    model holds int8 modules (every path's module is rebuilt as int8 before the weights load), else {}."""
+    """rana_config.json's record of int8 weights: {"weights": "int8", "int8": {"modules": [paths], "activations":
+    "float" | "int8"}} when the model holds int8 modules (every path's module is rebuilt as int8 before the weights
+    load, decoding its tokens as `activations` says), else {}."""
     paths = rebuild.int8_paths(model)
-    return {"weights": "int8", "int8": {"modules": paths}} if paths else {}
+    if not paths:
+        return {}
+    return {"weights": "int8", "int8": {"modules": paths, "activations": activations_of(model)}}
 
 
 def tied_keys(model: nn.Module) -> set[str]:

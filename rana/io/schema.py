@@ -15,6 +15,7 @@ from typing import Any, Callable
 
 from ..modules.registry import ADAPTER_KINDS
 from .compress_settings import recorded_fields
+from ..modules.int8 import ACTIVATIONS
 from .format import FORMAT_VERSION, WEIGHT_FORMATS, threshold_from_json
 from ..errors import UserError
 
@@ -184,7 +185,8 @@ def _check_version(v, field: str) -> None:
 
 
 def _check_int8(v, field: str) -> None:
-    record({"modules": list_of(text())}, required=("modules",))(v, field)
+    # activations: how the int8 modules multiply their tokens (absent: "float", what folders recorded before)
+    record({"modules": list_of(text()), "activations": optional(text(ACTIVATIONS))}, required=("modules",))(v, field)
     if len(set(v["modules"])) != len(v["modules"]):
         raise FieldError(f"'{field}.modules' names a path twice")
 

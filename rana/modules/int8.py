@@ -24,21 +24,50 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from ..kernels.cpu_gemv import ACTIVATIONS
 from ..kernels.route import decode_masked
+from ..kernels.torch_gemv import quantize_activations
 from ..kernels.weights import Int8Weight
 from .operands import drop_operands, keep_operand, kept_operand, register_layer_weight
 
 
 def int8_weight(owner: nn.Module) -> Int8Weight:
     """The operand of the int8 weights `owner` holds (an Int8Linear, the int8 LM head): its `qweight`,
-    `weight_scale` and `bias`."""
-    return Int8Weight(owner._buffers["qweight"], owner._buffers["weight_scale"], owner._parameters["bias"])
+    `weight_scale` and `bias`, and its activation format."""
+    return Int8Weight(owner._buffers["qweight"], owner._buffers["weight_scale"], owner._parameters["bias"],
+                      owner.activations)
 
 
 def int8_weight_current(operand: Int8Weight, owner: nn.Module) -> bool:
     buffers = owner._buffers
     return operand.q_t is buffers["qweight"] and operand.qscale is buffers["weight_scale"] and \
-        operand.bias is owner._parameters["bias"]
+        operand.bias is owner._parameters["bias"] and operand.activations == owner.activations
+
+
+def quantize_input(owner: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """`x` as `owner` (an int8 module) multiplies it on its torch path: unchanged for float activations, each
+    token's nonzero inputs quantized per block of 64 and back (in x's dtype) for int8 ones, as the kernels do."""
+    if owner.activations != "int8":
+        return x
+    return quantize_activations(x).to(x.dtype)
+
+
+def set_activations(model: nn.Module, activations: str) -> None:
+    """Every int8 module of `model` decodes with `activations` ("float" or "int8", ACTIVATIONS)."""
+    if activations not in ACTIVATIONS:
+        raise ValueError(f"activations must be one of {ACTIVATIONS}, got {activations!r}")
+    for m in model.modules():
+        if holds_int8(m):
+            m.activations = activations
+            drop_operands(m)
+
+
+def activations_of(model: nn.Module) -> str | None:
+    """The activation format of `model`'s int8 modules (None: it holds none); ValueError if they differ."""
+    found = {m.activations for m in model.modules() if holds_int8(m)}
+    if len(found) > 1:
+        raise ValueError(f"the int8 modules mix activation formats {sorted(found)}")
+    return found.pop() if found else None
 
 
 def own_int8_weight(owner: nn.Module) -> Int8Weight:
@@ -54,6 +83,9 @@ class Int8Linear(nn.Module):
 
     _float32_buffers = ("weight_scale",)
     int8_weights = True  # its weights are int8 codes (`holds_int8`)
+    # how its tokens are multiplied: "float" (W8A16) or "int8" (W8A8); a folder's `int8.activations`, set on load
+    # (rana.modules.rebuild.install_int8) and by `rana quantize` (set_activations), never in the state dict
+    activations = "float"
 
     def __init__(self, in_features: int, out_features: int, bias: bool = True, *, dtype: torch.dtype = torch.float32,
                  device=None):
@@ -109,7 +141,7 @@ class Int8Linear(nn.Module):
         if x.numel() == x.shape[-1] and not (torch.is_grad_enabled() and (
                 x.requires_grad or (bias is not None and bias.requires_grad))):
             return decode_masked(own_int8_weight(self), x, None, "none")
-        return F.linear(x, self.dequantized(x.dtype), None if bias is None else bias.to(x.dtype))
+        return F.linear(quantize_input(self, x), self.dequantized(x.dtype), None if bias is None else bias.to(x.dtype))
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, int8"
@@ -127,4 +159,5 @@ def holds_int8(module: nn.Module) -> bool:
 
 register_layer_weight(Int8Linear, int8_weight, int8_weight_current)
 
-__all__ = ["Int8Linear", "int8_weight", "int8_weight_current", "own_int8_weight", "is_int8", "holds_int8"]
+__all__ = ["Int8Linear", "int8_weight", "int8_weight_current", "own_int8_weight", "is_int8", "holds_int8",
+           "quantize_input", "set_activations", "activations_of", "ACTIVATIONS"]

@@ -7,7 +7,7 @@ import torch.nn as nn
 
 from ..kernels.weights import FloatWeight
 from .common import Adapter, MacMeter, MaskedDecode, column_major_linear, restore_layouts
-from .int8 import own_int8_weight
+from .int8 import own_int8_weight, quantize_input
 from .operands import keep_operand, kept_operand
 from .registry import register_adapter
 
@@ -338,6 +338,7 @@ class Int8InputSparseHead(InputSparseHead):
 
     _float32_buffers = ("threshold", "weight_scale")
     int8_weights = True  # its weights are int8 codes (rana.modules.int8.holds_int8)
+    activations = "float"  # "int8": its tokens quantized as Int8Linear's are (rana.modules.int8.set_activations)
 
     def __init__(self, in_features: int, out_features: int, bias: bool, threshold: float, *,
                  dtype: torch.dtype = torch.float32, device=None):
@@ -402,7 +403,7 @@ class Int8InputSparseHead(InputSparseHead):
         mask = x.abs() >= self.threshold
         self._record(mask)
         w = (self.qweight.t().float() * self.weight_scale[:, None]).to(x.dtype)
-        return nn.functional.linear(x * mask, w, None if bias is None else bias.to(x.dtype))
+        return nn.functional.linear(quantize_input(self, x * mask), w, None if bias is None else bias.to(x.dtype))
 
     def extra_repr(self) -> str:
         return super().extra_repr() + ", int8"

@@ -64,18 +64,19 @@ def int8_form(module: nn.Module, q: torch.Tensor | None = None, scale: torch.Ten
     raise ValueError(f"a {type(module).__name__} has no int8 form (only linear layers and the input-sparse LM head)")
 
 
-def install_int8(model: nn.Module, paths: list[str]) -> None:
+def install_int8(model: nn.Module, paths: list[str], activations: str = "float") -> None:
     """Swap the modules at `paths` (a folder's `int8.modules`) for empty int8 ones of their shapes, after
-    the adapters are installed and before the weights load."""
+    the adapters are installed and before the weights load; they multiply their tokens as `activations` (the
+    folder's `int8.activations`) says."""
     for path in paths:
         m = model.get_submodule(path)
-        if holds_int8(m):
-            continue
-        try:
-            new = int8_form(m)
-        except ValueError as e:
-            raise UserError(f"int8 weights recorded for '{path}': {e}") from None
-        set_submodule(model, path, new)
+        if not holds_int8(m):
+            try:
+                m = int8_form(m)
+            except ValueError as e:
+                raise UserError(f"int8 weights recorded for '{path}': {e}") from None
+            set_submodule(model, path, m)
+        m.activations = activations
 
 
 # ---------------------------------------------------------------------------------------------- the rebuild
@@ -105,7 +106,8 @@ def install_rana(model: nn.Module, record: dict, dtype: torch.dtype, *, record_n
     with _stage("adapters"):
         install_empty_adapters(model, list(record.get("adapters") or []), dtype, record_name)
         if record.get("weights", "none") == "int8":  # int8 weights (rana.modules.int8): empty, before the weights
-            install_int8(model, list((record.get("int8") or {}).get("modules") or []))
+            int8 = record.get("int8") or {}
+            install_int8(model, list(int8.get("modules") or []), int8.get("activations") or "float")
     laurel = record.get("laurel")
     if laurel:
         with _stage("laurel settings"):

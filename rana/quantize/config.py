@@ -9,6 +9,10 @@ from ..errors import UserError
 from ..settings import Settings, setting
 
 DEFAULT_CALIB_TOKENS = 8192  # --calib-tokens' default (also bench_int8's)
+# --activations' default: int8 (W8A8) measured faster than float (W8A16) at equal quality
+# (benchmarks/results/int8_cpu.md)
+DEFAULT_ACTIVATIONS = "int8"
+ACTIVATION_CHOICES = ("int8", "float")  # kernels/cpu_gemv.py ACTIVATIONS, the default first (torch-free here)
 
 
 class QuantizeError(UserError):
@@ -22,6 +26,9 @@ class QuantizeConfig(Settings):
                                    "head, fp32 scales, thresholds refit on the quantized model's activations",
                            flags=("--weights",), required=True)
     out: Path = setting(None, "output folder (must not exist unless --overwrite)", flags=("--out", "-o"), required=True)
+    activations: str = setting(DEFAULT_ACTIVATIONS, "how the int8 layers multiply a token: int8 (W8A8: its kept inputs "
+                                                    "quantized per block of 64, int8 x int8 sums) or float (W8A16)",
+                               flags=("--activations",))
     dataset: str | None = setting(None, "calibration text: local .txt/.jsonl/.parquet file or folder, or a hub dataset "
                                         "(default: bundled corpus)")
     calib_tokens: int = setting(DEFAULT_CALIB_TOKENS, "calibration tokens for the scales and the threshold refit (0: "
@@ -35,10 +42,13 @@ class QuantizeConfig(Settings):
     def validate(self) -> None:
         """The calibration sizes (QuantizeError). `rana.quantize.quantize_folder` checks --weights first, then
         the folders, then these."""
+        if self.activations not in ACTIVATION_CHOICES:
+            raise QuantizeError(f"--activations must be one of {', '.join(ACTIVATION_CHOICES)}, "
+                                f"got {self.activations!r}")
         if self.calib_tokens < 0:
             raise QuantizeError(f"--calib-tokens must be 0 (no calibration) or positive, got {self.calib_tokens}")
         if self.batch_size < 1:
             raise QuantizeError(f"--batch-size must be a positive integer, got {self.batch_size}")
 
 
-__all__ = ["DEFAULT_CALIB_TOKENS", "QuantizeConfig", "QuantizeError"]
+__all__ = ["DEFAULT_CALIB_TOKENS", "DEFAULT_ACTIVATIONS", "QuantizeConfig", "QuantizeError"]
