@@ -345,3 +345,28 @@ def test_compiled_decode_step_of_a_w8a8_model_has_no_graph_break():
     seen = compiled_matches(_int8_model("int8"), backend="aot_eager")
     assert "rana.decode_masked_a8" in seen or "rana.decode_masked_grouped_a8" in seen, seen
     assert not seen & {"rana.decode_masked", "rana.decode_masked_grouped"}, seen
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_triton_route_quantizes_the_same_inputs_under_the_interpreter(dtype, monkeypatch):
+    """Operands on the Triton backend (CUDA; here CPU tensors under the interpreter) quantize the kept inputs in
+    torch ops and run the float-activation int8 kernel on them: the W8A8 product, alone and as a q/k/v group."""
+    from rana.kernels import triton_gemv as tg
+
+    if not (tg.triton_available() and tg.interpreting()):
+        pytest.skip("needs triton and TRITON_INTERPRET=1")
+    monkeypatch.setattr(weights, "TRITON_ON_CPU", True)
+    problems = [_problem(70, n, "abs", frac, seed=s, lead=(1, 1), dtype=dtype)
+                for n, frac, s in ((48, 0.5, 20), (16, 0.3, 21), (16, 0.8, 22))]
+    v = problems[0][2]
+    operands = [Int8Weight(q, qs, b, activations="int8") for q, qs, _, _, _, b in problems]
+    assert {w.backend for w in operands} == {"triton"}
+    thresholds = [torch.tensor(p[3]) for p in problems]
+    ys = route.decode_masked_grouped(operands, [v] * 3, thresholds, "abs", [None] * 3)
+    one = route.decode_masked(operands[0], v, thresholds[0], "abs")
+    for y, (q, qs, _, t, _, b) in zip(ys, problems):
+        exp, mag = _expected(q, qs, v.float(), t, "abs", None, b)
+        atol = 2e-6 * max(mag, 1.0) + 2 * torch.finfo(dtype).eps * max(float(exp.abs().max()), 1.0)
+        assert y.dtype == dtype
+        torch.testing.assert_close(y.double().reshape(exp.shape), exp, atol=atol, rtol=0)
+    torch.testing.assert_close(one.reshape(-1), ys[0], atol=0, rtol=0)
