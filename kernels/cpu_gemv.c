@@ -391,6 +391,15 @@ static int rana_a8_columns(int64_t width) {
     return 1;
 }
 
+/* The vector loops' rows of group g (row pointers into w, which starts at the loop's first column), after
+   prefetching the rows RANA_A8_AHEAD ahead of them. */
+static inline void rana_a8_group_rows(const int8_t* w, int64_t ldw, const rana_a8_tokens* s, int64_t g,
+                                      int64_t groups, int64_t width, const int8_t* r[4]) {
+    for (int64_t p = 4 * g + RANA_A8_AHEAD; p < 4 * g + RANA_A8_AHEAD + 4 && p < 4 * groups; ++p)
+        rana_prefetch_a8(w + s->rows[p] * ldw, width);
+    for (int i = 0; i < 4; ++i) r[i] = w + s->rows[4 * g + i] * ldw;
+}
+
 /* The portable loop for columns [c0, c1) of the sums (natural order), rows read at w + c0. */
 static void rana_a8_cols_c(const int8_t* __restrict w, int64_t ldw, const rana_a8_tokens* __restrict s,
                            int64_t blocks, int64_t c0, int64_t c1, int32_t* __restrict acc, float* __restrict sum) {
@@ -428,10 +437,9 @@ static void rana_a8_cols_vnni(const int8_t* __restrict w, int64_t ldw, const ran
         const int64_t g0 = s->start[b], g1 = s->start[b + 1];
         if (g0 == g1) continue;
         for (int64_t g = g0; g < g1; ++g) {
-            for (int64_t p = 4 * g + RANA_A8_AHEAD; p < 4 * g + RANA_A8_AHEAD + 4 && p < 4 * groups; ++p)
-                rana_prefetch_a8(w + s->rows[p] * ldw, width);
-            const int8_t *r0 = w + s->rows[4 * g] * ldw, *r1 = w + s->rows[4 * g + 1] * ldw;
-            const int8_t *r2 = w + s->rows[4 * g + 2] * ldw, *r3 = w + s->rows[4 * g + 3] * ldw;
+            const int8_t* r[4];
+            rana_a8_group_rows(w, ldw, s, g, groups, width, r);
+            const int8_t *r0 = r[0], *r1 = r[1], *r2 = r[2], *r3 = r[3];
             const __m512i word = _mm512_set1_epi32(s->words[g]);
             for (int64_t c = 0; c < width; c += 64) {
                 const __m512i a0 = _mm512_xor_si512(_mm512_loadu_si512((const void*)(r0 + c)), offset);
@@ -487,10 +495,9 @@ static void rana_a8_cols_avx2(const int8_t* __restrict w, int64_t ldw, const ran
         const int64_t g0 = s->start[b], g1 = s->start[b + 1];
         if (g0 == g1) continue;
         for (int64_t g = g0; g < g1; ++g) {
-            for (int64_t p = 4 * g + RANA_A8_AHEAD; p < 4 * g + RANA_A8_AHEAD + 4 && p < 4 * groups; ++p)
-                rana_prefetch_a8(w + s->rows[p] * ldw, width);
-            const int8_t *r0 = w + s->rows[4 * g] * ldw, *r1 = w + s->rows[4 * g + 1] * ldw;
-            const int8_t *r2 = w + s->rows[4 * g + 2] * ldw, *r3 = w + s->rows[4 * g + 3] * ldw;
+            const int8_t* r[4];
+            rana_a8_group_rows(w, ldw, s, g, groups, width, r);
+            const int8_t *r0 = r[0], *r1 = r[1], *r2 = r[2], *r3 = r[3];
             const __m256i word = _mm256_set1_epi32(s->words[g]);
             const __m256i mag = _mm256_abs_epi8(word);
             for (int64_t c = 0; c < width; c += 32) {

@@ -53,3 +53,22 @@ def compiled_matches(model, backend="eager") -> set[str]:
     assert float((logits - ref_logits).abs().max()) <= 1e-5 * scale
     assert torch.equal(tokens, ref_tokens)
     return seen
+
+
+def traced_targets(step, *args) -> set[str]:
+    """Compile `step` with fullgraph=True, once recording the graph and once with aot_eager (which checks the ops'
+    fake implementations); assert both give step(*args)'s eager outputs; return the call targets of the graph."""
+    graphs = []
+
+    def recording(gm, example_inputs):
+        graphs.append(gm)
+        return gm.forward
+
+    eager = step(*args)
+    for backend in (recording, "aot_eager"):
+        torch._dynamo.reset()
+        out = torch.compile(step, fullgraph=True, backend=backend)(*args)
+        for o, e in zip(out, eager):
+            torch.testing.assert_close(o, e, atol=1e-5, rtol=1e-5)
+    torch._dynamo.reset()
+    return {str(n.target) for n in graphs[0].graph.nodes if n.op == "call_function"}
