@@ -5,7 +5,7 @@ Qwen2.5-Coder-1.5B) at F = 0.85 / 0.70 / 0.58:
 
 - `rana compress smollm2-135m --flops F` (fp32 sparse), then `rana quantize` of that folder twice, in its own
   process each: `--activations float` (W8A16: fp32 tokens times int8 weights) and `--activations int8` (W8A8: the
-  kept inputs quantized per block of 64, int8 × int8 sums); or `--int8-via compress`: `rana compress --weights int8`;
+  kept inputs quantized per block of 64, int8 × int8 sums) (`--int8-via compress` is refused: it writes one format);
 - int8 dense: the dense model through rana's int8 path with no sparsity (`rana.quantize.quantize_model`,
   calibrated on the same text), W8A16 and W8A8;
 - perplexity on held-out text (pydoc_heldout.txt, shakespeare.txt; calibration is pydoc_calib.txt, never
@@ -115,12 +115,8 @@ def make_folders(a, f: float, work: Path, log: list[str]) -> tuple[Path, dict[st
         int8[act] = folder = work / f"{a.slug}_rana_{round(f * 100)}_{fmt.lower()}"
         if a.reuse and (folder / "plan.json").exists():
             continue
-        if a.int8_via == "quantize":
-            wall[f"{fmt}_s"] = run_rana(["quantize", str(fp32), "--weights", "int8", "--activations", act, "--out",
-                                         str(folder), *calib, "--overwrite"], log)
-        else:
-            raise SystemExit("--int8-via compress: `rana compress --weights int8` writes the default activation "
-                             "format only; use --int8-via quantize for the W8A16 / W8A8 pair")
+        wall[f"{fmt}_s"] = run_rana(["quantize", str(fp32), "--weights", "int8", "--activations", act, "--out",
+                                     str(folder), *calib, "--overwrite"], log)
     return fp32, int8, wall
 
 
@@ -460,6 +456,9 @@ def parse_args(argv=None):
             a.out = str(Path(tempfile.mkdtemp(prefix="rana-int8-smoke-")) / "int8_cpu")
         if Path(a.out).resolve().parent == RESULTS.resolve():
             ap.error("--smoke never writes into benchmarks/results; pass another --out")
+    if a.int8_via == "compress":  # refused before any work
+        ap.error("--int8-via compress: `rana compress --weights int8` writes the default activation format only; use "
+                 "--int8-via quantize (the default) for the W8A16 / W8A8 pair")
     a.flops_list = [float(x) for x in a.flops.split(",")]
     a.threads_list = [int(x) for x in a.threads.split(",")]
     a.slug = "smollm2" if a.model == "smollm2-135m" else Path(a.model).name.replace(".", "p").lower()

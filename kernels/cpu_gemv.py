@@ -66,8 +66,8 @@ import torch
 
 from .modes import HEADER_NAME, MODE_IDS, c_header
 
-__all__ = ["NativeCall", "native_masked", "a8_isa", "A8_ISAS", "ACTIVATIONS", "expert_masked_gemv_native", "native_kernel", "native_status",
-           "native_limit", "dense_streak", "reset_dense_streaks", "source", "library_name", "build_variant",
+__all__ = ["NativeCall", "native_masked", "a8_isa", "A8_ISAS", "ACTIVATIONS", "expert_masked_gemv_native",
+           "native_kernel", "native_status", "native_limit", "dense_streak", "reset_dense_streaks", "source", "library_name", "build_variant",
            "Library", "BUILD_FLAGS", "BUILD_ATTEMPTS", "DENSE_STREAK"]
 
 _ABS_SCALED = MODE_IDS["abs_scaled"]

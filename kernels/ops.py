@@ -53,8 +53,8 @@ import torch
 
 from .cpu_gemv import expert_masked_gemv_native
 from .modes import mode_id
-from .torch_gemv import (expert_masked_gemv_dense, expert_masked_gemv_gather, masked_gemv_a8_torch,
-                         masked_gemv_int8_torch, masked_gemv_torch)
+from .torch_gemv import (expert_masked_gemv_dense, expert_masked_gemv_gather, masked_gemv_int8_torch,
+                         masked_gemv_torch)
 from .triton_gemv import (expert_masked_gemv_triton, grouped_dense_gemv_triton, grouped_masked_gemv_triton,
                           kernels_available)
 
@@ -80,10 +80,11 @@ def decode_masked_impl(w_t: torch.Tensor, qscale: Optional[torch.Tensor], v: tor
 
 def decode_masked_a8_impl(w_t: torch.Tensor, qscale: torch.Tensor, v: torch.Tensor, threshold: torch.Tensor,
                           mode: str, scale: Optional[torch.Tensor], bias: Optional[torch.Tensor]) -> torch.Tensor:
-    """rana::decode_masked_a8's implementation: int8 weights with int8 activations (torch_gemv.masked_gemv_a8_torch:
-    one CPU token through the native W8A8 kernel)."""
+    """rana::decode_masked_a8's implementation: int8 weights with int8 activations (one CPU token through the native
+    W8A8 kernel, else torch_gemv's int8 paths on the quantized inputs)."""
     mode_id(mode)
-    return masked_gemv_a8_torch(w_t, qscale, v, threshold, mode=mode, scale=scale, bias=bias).contiguous()
+    return masked_gemv_int8_torch(w_t, qscale, v, threshold, mode=mode, scale=scale, bias=bias,
+                                  activations="int8").contiguous()
 
 
 def _decode_masked_grouped_a8_impl(vs: Sequence[torch.Tensor], w_ts: Sequence[torch.Tensor],

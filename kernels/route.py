@@ -26,8 +26,8 @@ import torch
 
 from .ops import OP_NAMES  # noqa: F401  importing ops registers the rana:: ops the traced rows call
 from .torch_gemv import (KEEP_NONZERO, a8_masked_input, expert_masked_gemv_dense, expert_masked_gemv_gather,
-                         masked_gemv_a8_torch, masked_gemv_dense, masked_gemv_gather, masked_gemv_int8_dense,
-                         masked_gemv_int8_gather)
+                         masked_gemv_dense, masked_gemv_gather, masked_gemv_int8_dense, masked_gemv_int8_gather,
+                         masked_gemv_int8_torch)
 from .cpu_gemv import expert_masked_gemv_native
 from .triton_gemv import expert_masked_gemv_triton, grouped_dense_gemv_triton, grouped_masked_gemv_triton, sparsity_bin
 from .weights import FloatWeight, Weight, eager_cpu
@@ -100,7 +100,8 @@ def _torch_masked(w: Weight, v, threshold, mode, scale, sbin):
     device: the dense masked product (sync-free)."""
     w_t, qscale, bias = w.op_tensors()
     if w.activations == "int8":  # W8A8: its own torch path (the quantized kept inputs)
-        return masked_gemv_a8_torch(w_t, qscale, v, threshold, mode=mode, scale=scale, bias=bias)
+        return masked_gemv_int8_torch(w_t, qscale, v, threshold, mode=mode, scale=scale, bias=bias,
+                                      activations="int8")
     gather = v.is_cpu and w_t.is_cpu and _one_token(v)
     if qscale is None:
         if gather:

@@ -58,7 +58,6 @@ __all__ = [
     "masked_gemv_int8_gather",
     "masked_gemv_int8_reference",
     "masked_gemv_int8_torch",
-    "masked_gemv_a8_torch",
     "masked_gemv_a8_reference",
     "quantize_activations",
     "a8_masked_input",
@@ -271,18 +270,25 @@ def masked_gemv_int8_gather(q_t, qscale, v, threshold, *, mode: str, scale=None,
     return y.to(v.dtype).reshape(_out_shape(v, N))
 
 
-def masked_gemv_int8_torch(q_t, qscale, v, threshold, *, mode: str, scale=None, bias=None) -> torch.Tensor:
+def masked_gemv_int8_torch(q_t, qscale, v, threshold, *, mode: str, scale=None, bias=None,
+                           activations: str = "float") -> torch.Tensor:
     """One token on CPU: the native int8 kernel of cpu_gemv.py, else :func:`masked_gemv_int8_gather`.
-    Other devices and several tokens: :func:`masked_gemv_int8_dense` (no sync)."""
+    Other devices and several tokens: :func:`masked_gemv_int8_dense` (no sync). ``activations="int8"`` (W8A8):
+    the native W8A8 kernel, else the kept inputs quantized (:func:`a8_masked_input`) through the same torch paths,
+    output in v's dtype."""
     check_int8_args(q_t, qscale, v, mode, threshold, scale)
     K = q_t.shape[0]
-    if v.device.type != "cpu" or q_t.device.type != "cpu" or v.numel() != K:
-        return masked_gemv_int8_dense(q_t, qscale, v, threshold, mode=mode, scale=scale, bias=bias)
-    t = -math.inf if (mode == "none" or _all_active(threshold)) else float(threshold)
-    y = native_masked(q_t, qscale, v, t, "none" if t == -math.inf else mode, scale, bias)
-    if y is not None:
-        return y.reshape(_out_shape(v, q_t.shape[1]))
-    return masked_gemv_int8_gather(q_t, qscale, v, threshold, mode=mode, scale=scale, bias=bias)
+    one_cpu_token = v.device.type == "cpu" and q_t.device.type == "cpu" and v.numel() == K
+    if one_cpu_token:
+        t = -math.inf if (mode == "none" or _all_active(threshold)) else float(threshold)
+        y = native_masked(q_t, qscale, v, t, "none" if t == -math.inf else mode, scale, bias, activations=activations)
+        if y is not None:
+            return y.reshape(_out_shape(v, q_t.shape[1]))
+    run = masked_gemv_int8_gather if one_cpu_token else masked_gemv_int8_dense
+    if activations == "int8":
+        return run(q_t, qscale, a8_masked_input(v, threshold, mode, scale), KEEP_NONZERO, mode="abs",
+                   bias=bias).to(v.dtype)
+    return run(q_t, qscale, v, threshold, mode=mode, scale=scale, bias=bias)
 
 
 # --------------------------------------------------------------------------------------------
@@ -317,23 +323,6 @@ def a8_masked_input(v: torch.Tensor, threshold, mode: str, scale) -> torch.Tenso
     mask = _active_mask(v, threshold, mode, scale)
     x = v.float() if mask is None else torch.where(mask, v.float(), 0.0)
     return quantize_activations(x)
-
-
-def masked_gemv_a8_torch(q_t, qscale, v, threshold, *, mode: str, scale=None, bias=None) -> torch.Tensor:
-    """The W8A8 product in torch ops, output in v's dtype: one CPU token through the native W8A8 kernel, else the
-    quantized masked input (:func:`a8_masked_input`) through :func:`masked_gemv_int8_gather` (one CPU token) or
-    :func:`masked_gemv_int8_dense` (several tokens, other devices: sync-free)."""
-    check_int8_args(q_t, qscale, v, mode, threshold, scale)
-    K, N = q_t.shape
-    one_cpu_token = v.device.type == "cpu" and q_t.device.type == "cpu" and v.numel() == K
-    if one_cpu_token:
-        t = -math.inf if (mode == "none" or _all_active(threshold)) else float(threshold)
-        y = native_masked(q_t, qscale, v, t, "none" if t == -math.inf else mode, scale, bias, activations="int8")
-        if y is not None:
-            return y.reshape(_out_shape(v, N))
-    x = a8_masked_input(v, threshold, mode, scale)
-    run = masked_gemv_int8_gather if one_cpu_token else masked_gemv_int8_dense
-    return run(q_t, qscale, x, KEEP_NONZERO, mode="abs", bias=bias).to(v.dtype)
 
 
 def masked_gemv_a8_reference(q_t, qscale, v, threshold, *, mode: str, scale=None, bias=None) -> torch.Tensor:

@@ -201,12 +201,13 @@ def test_w8a8_declines_float_weights():
 def test_torch_paths_match_float64(mode, monkeypatch):
     q_t, qs, v, t, scale, b = _problem(150, 90, mode, 0.4, seed=5, lead=(3,))
     thr = torch.tensor(0.0 if mode == "none" else t)
-    _assert_close(mg.masked_gemv_a8_torch(q_t, qs, v, thr, mode=mode, scale=scale, bias=b),
+    _assert_close(mg.masked_gemv_int8_torch(q_t, qs, v, thr, mode=mode, scale=scale, bias=b, activations="int8"),
                   _expected(q_t, qs, v, t, mode, scale, b))  # several tokens: the dense product
     monkeypatch.setattr(cg, "native_masked", lambda *a, **k: None)
     monkeypatch.setattr(mg, "native_masked", lambda *a, **k: None)  # one token: the torch gather
     one = v[:1]
-    _assert_close(mg.masked_gemv_a8_torch(q_t, qs, one, thr, mode=mode, scale=scale, bias=b),
+    _assert_close(mg.masked_gemv_int8_torch(q_t, qs, one, thr, mode=mode, scale=scale, bias=b,
+                                           activations="int8"),
                   _expected(q_t, qs, one, t, mode, scale, b))
 
 

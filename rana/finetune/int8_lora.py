@@ -6,8 +6,8 @@ full-precision copy resident. The forward dequantizes the weight for the call; w
 (`_Int8Matmul`) autograd saves the int8 codes, not the dequantized matrix, and the backward dequantizes
 again to pass the gradient to the input (the codes, scales and bias are frozen: no gradient of their own).
 With int8 activations (W8A8) the base multiplies each token's inputs quantized per block of 64, as it decodes; the
-gradient passes straight through that rounding. The adapters `lora_A` / `lora_B` are ordinary linears in the base's compute dtype, added on top of the base
-output exactly as peft's own `Linear` does.
+gradient passes straight through that rounding. The adapters `lora_A` / `lora_B` are ordinary linears in the base's
+compute dtype, added on top of the base output exactly as peft's own `Linear` does.
 
 Merging (`merge_and_unload`, the end of every run) requantizes per output channel:
 

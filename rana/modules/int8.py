@@ -52,16 +52,6 @@ def quantize_input(owner: nn.Module, x: torch.Tensor) -> torch.Tensor:
     return quantize_activations(x).to(x.dtype)
 
 
-def set_activations(model: nn.Module, activations: str) -> None:
-    """Every int8 module of `model` decodes with `activations` ("float" or "int8", ACTIVATIONS)."""
-    if activations not in ACTIVATIONS:
-        raise ValueError(f"activations must be one of {ACTIVATIONS}, got {activations!r}")
-    for m in model.modules():
-        if holds_int8(m):
-            m.activations = activations
-            drop_operands(m)
-
-
 def activations_of(model: nn.Module) -> str | None:
     """The activation format of `model`'s int8 modules (None: it holds none); ValueError if they differ."""
     found = {m.activations for m in model.modules() if holds_int8(m)}
@@ -83,8 +73,9 @@ class Int8Linear(nn.Module):
 
     _float32_buffers = ("weight_scale",)
     int8_weights = True  # its weights are int8 codes (`holds_int8`)
-    # how its tokens are multiplied: "float" (W8A16) or "int8" (W8A8); a folder's `int8.activations`, set on load
-    # (rana.modules.rebuild.install_int8) and by `rana quantize` (set_activations), never in the state dict
+    # how its tokens are multiplied: "float" (W8A16) or "int8" (W8A8, ACTIVATIONS); a folder's `int8.activations`,
+    # set on load (rana.modules.rebuild.install_int8) and by `rana quantize`, never in the state dict; a kept operand
+    # is checked against it (int8_weight_current)
     activations = "float"
 
     def __init__(self, in_features: int, out_features: int, bias: bool = True, *, dtype: torch.dtype = torch.float32,
@@ -160,4 +151,4 @@ def holds_int8(module: nn.Module) -> bool:
 register_layer_weight(Int8Linear, int8_weight, int8_weight_current)
 
 __all__ = ["Int8Linear", "int8_weight", "int8_weight_current", "own_int8_weight", "is_int8", "holds_int8",
-           "quantize_input", "set_activations", "activations_of", "ACTIVATIONS"]
+           "quantize_input", "activations_of", "ACTIVATIONS"]

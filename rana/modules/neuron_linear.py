@@ -338,7 +338,7 @@ class Int8InputSparseHead(InputSparseHead):
 
     _float32_buffers = ("threshold", "weight_scale")
     int8_weights = True  # its weights are int8 codes (rana.modules.int8.holds_int8)
-    activations = "float"  # "int8": its tokens quantized as Int8Linear's are (rana.modules.int8.set_activations)
+    activations = "float"  # "int8": its tokens quantized as Int8Linear's are (Int8Linear.activations)
 
     def __init__(self, in_features: int, out_features: int, bias: bool, threshold: float, *,
                  dtype: torch.dtype = torch.float32, device=None):
