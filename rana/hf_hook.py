@@ -84,6 +84,12 @@ PTH = "rana-hf-quantizer.pth"
 # What the .pth file runs at start-up, kept tiny and free of imports: a finder that does nothing until
 # transformers' quantizer table is imported, and only then imports rana (so a Python process that never
 # loads a transformers model never imports rana). A failure must never break start-up.
+#
+# rana is imported from its install, never from a folder that happens to be named `rana` in the working
+# directory (an output folder `--out rana`, say): the path finder would take that folder as a namespace
+# package ahead of an editable install's finder, and rana would half-import. So the first finder whose
+# `rana` is a regular package holding hf_hook.py wins. (exec'd inside site.addpackage: names bound here
+# are that function's locals, so the helper is a method and imports are local.)
 _STARTUP = """
 import os, sys
 class RanaHfQuantizerHook:
@@ -92,10 +98,32 @@ class RanaHfQuantizerHook:
             return None
         sys.meta_path.remove(self)
         try:
+            if "rana" not in sys.modules and not self.import_installed_rana():
+                return None
             import rana.hf_hook
             return rana.hf_hook.wrapped_spec(name)
         except Exception:
             return None
+    def import_installed_rana(self):
+        import importlib.util
+        for finder in list(sys.meta_path):
+            try:
+                spec = finder.find_spec("rana", None)
+            except Exception:
+                continue
+            origin = getattr(spec, "origin", None) or ""
+            if os.path.basename(origin) != "__init__.py" or \\
+                    not os.path.isfile(os.path.join(os.path.dirname(origin), "hf_hook.py")):
+                continue
+            module = importlib.util.module_from_spec(spec)
+            sys.modules["rana"] = module
+            try:
+                spec.loader.exec_module(module)
+            except BaseException:
+                sys.modules.pop("rana", None)
+                raise
+            return True
+        return False
 if not os.environ.get("RANA_NO_HF_HOOK"):
     sys.meta_path.insert(0, RanaHfQuantizerHook())
 """
@@ -104,8 +132,8 @@ PTH_LINE = f"import sys; exec({_STARTUP!r})\n"
 
 
 def write_pth() -> str:
-    """Put `PTH` in this interpreter's site-packages (an editable install gets no file outside the
-    package: `make` runs this after `pip install -e .`). Returns its path."""
+    """Put `PTH` in this interpreter's site-packages again (both install paths write it, setup.py; this
+    repairs an environment some tool stripped of it). Returns its path."""
     import sysconfig
     from pathlib import Path
 
@@ -114,5 +142,5 @@ def write_pth() -> str:
     return str(path)
 
 
-if __name__ == "__main__":  # python -m rana.hf_hook (make calls write_pth directly)
+if __name__ == "__main__":  # python -m rana.hf_hook
     print(write_pth())
