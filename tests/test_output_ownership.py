@@ -1,12 +1,13 @@
 """What rana deletes, it wrote (issue 27, root causes 2 and 6).
 
-`--overwrite` replaces a folder only when every file in it is listed, unchanged in size, in the
-manifest rana wrote into it (`.rana-manifest.json`); a file of rana's name (results.json) or an
+`--overwrite` replaces a folder only when every file in it is listed, unchanged by content (size and
+sha256, issue 39), in the manifest rana wrote into it (`.rana-manifest.json`); a file of rana's name (results.json) or an
 empty `.checkpoints/` no longer makes a folder rana's. An `--out` whose temp folder's name is too
 long for the file system fails before any work.
 """
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 from pathlib import Path
@@ -46,7 +47,8 @@ def copy_of(saved: Path, dest: Path) -> Path:
 
 def test_every_folder_rana_writes_lists_its_files(saved):
     manifest = json.loads((saved / MANIFEST).read_text())
-    on_disk = {str(p.relative_to(saved)): p.stat().st_size for p in saved.rglob("*") if p.is_file() and p.name != MANIFEST}
+    on_disk = {str(p.relative_to(saved)): {"size": p.stat().st_size, "sha256": hashlib.sha256(p.read_bytes()).hexdigest()}
+               for p in saved.rglob("*") if p.is_file() and p.name != MANIFEST}
     assert manifest["files"] == on_disk and "rana_config.json" in on_disk
     rio.load(saved)  # the manifest does not disturb loading
 
@@ -99,12 +101,15 @@ def test_a_rana_folder_is_replaced_and_an_unfinished_finetune_too(saved, tmp_pat
     r = copy_of(saved, tmp_path / "r")
     rio.save(tiny_model(seed=1), None, r, overwrite=True)
     rio.load(r)
-    # --out of a fine-tune killed before it finished: only its checkpoint folder, checkpoints verified by name
+    # --out of a fine-tune killed before it finished: only its checkpoint folder, each checkpoint proven by
+    # its trainer state (every file listed with its sha256) in a folder of an older rana, without a manifest
     ft = tmp_path / "ft"
     ckpt = ft / ".checkpoints" / "checkpoint-00000002"
     ckpt.mkdir(parents=True)
     (ckpt / "model.safetensors").write_bytes(b"x" * 10)
-    (ckpt / "trainer_state.json").write_text(json.dumps({"step": 2, "files": {"model.safetensors": [10, "0"]}}))
+    digest = hashlib.sha256(b"x" * 10).hexdigest()
+    (ckpt / "trainer_state.json").write_text(json.dumps({"step": 2, "config_hash": "c",
+                                                         "files": {"model.safetensors": [10, digest]}}))
     (ft / ".checkpoints" / "train_log.jsonl").write_text("{}\n")
     check_output(ft, overwrite=True)
     (ckpt / "mine.txt").write_text("not a checkpoint file")

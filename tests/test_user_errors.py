@@ -339,8 +339,12 @@ def _ft_config(work, out, **kw):
 def test_checkpoint_folder_without_a_checkpoint_does_not_block_a_fresh_start(work, tmp_path):
     from rana.finetune import CHECKPOINTS, FinetuneError, finetune
 
+    from rana.io.paths import CHECKPOINT_KIND, claim_folder
+
     out = tmp_path / "ft"
-    (out / CHECKPOINTS / ".tmp-checkpoint-00000002").mkdir(parents=True)  # a kill during the first save
+    # a kill during the first save: the run had claimed its checkpoint folder (train log, the save under way)
+    claim_folder(out / CHECKPOINTS, CHECKPOINT_KIND, growing=["train_log.jsonl", ".tmp-checkpoint-00000002"])
+    (out / CHECKPOINTS / ".tmp-checkpoint-00000002").mkdir(parents=True)
     (out / CHECKPOINTS / "train_log.jsonl").write_text('{"step": 0}\n')
     with pytest.raises(FinetuneError, match="no usable checkpoint.*start without --resume"):
         finetune(_ft_config(work, out, resume=True))

@@ -8,11 +8,16 @@
   states are spilled to memory-mapped files in `DIR/activations/` between layers. `finish` returns
   the written layers (`rana.io.OffloadedLayers`), which `rana.io.save` writes as a sharded folder
   with a `model.safetensors.index.json`; `rana.io.load` reads both layouts.
+
+An --offload-dir obeys rana's ownership rule (rana.io.paths): new, empty, or an offload folder rana
+wrote, every file unchanged (checked by the pre-flight, and here again for `compress_model` called
+without it). It is claimed with a manifest of kind "offload folder" that records each layer file as
+it is written (size and sha256), so a re-run reuses it and no other command mistakes it for its own;
+`activations/` is rana's scratch space, from which only rana's own spill files are ever removed.
 """
 from __future__ import annotations
 
 import os
-import shutil
 import tempfile
 import uuid
 import weakref
@@ -28,9 +33,14 @@ from ..accounting import metered_modules
 from ..archs import ArchSpec, decoder_layers
 from ..io.folder import OffloadedLayers
 from ..io.format import adapter_specs
+from ..io.paths import OFFLOAD_KIND, check_work_dir, claim_folder, update_manifest
 from .memory import MemoryEstimate, check_memory, peak_memory_bytes
 from .resources import Resources
 from .streaming import LazyWeights, free_layer, named_tensors, set_tensor
+
+
+SCRATCH, LAYERS = "activations", "layers"  # the offload folder's parts
+SPILL_PREFIX, SPILL_SUFFIX = "act-", ".bin"
 
 
 def disk_spill(folder: Path) -> Callable[[torch.Tensor], torch.Tensor]:
@@ -41,13 +51,26 @@ def disk_spill(folder: Path) -> Callable[[torch.Tensor], torch.Tensor]:
     folder.mkdir(parents=True, exist_ok=True)
 
     def spill(t: torch.Tensor) -> torch.Tensor:
-        path = folder / f"act-{uuid.uuid4().hex}.bin"
+        path = folder / f"{SPILL_PREFIX}{uuid.uuid4().hex}{SPILL_SUFFIX}"
         m = torch.from_file(str(path), shared=True, size=t.numel(), dtype=t.dtype)
         os.unlink(path)
         m.copy_(t.reshape(-1))
         return m.view(t.shape)
 
     return spill
+
+
+def remove_spill(folder: Path) -> None:
+    """Remove what `disk_spill` left under `folder`: its files (each unlinked at once, so only a kill
+    leaves one) and the folders then empty; nothing else (a file of anyone else's stays)."""
+    for root, _dirs, files in os.walk(folder, topdown=False):
+        for name in files:
+            if name.startswith(SPILL_PREFIX) and name.endswith(SPILL_SUFFIX):
+                Path(root, name).unlink(missing_ok=True)
+        try:
+            os.rmdir(root)
+        except OSError:  # not empty (someone else's file) or already gone
+            pass
 
 
 class Residency:
@@ -66,11 +89,25 @@ class Residency:
         self.dtype = next((p.dtype for p in model.parameters() if p.is_floating_point()), torch.float32)
         self.estimate: MemoryEstimate | None = resources.estimate
         self.dir: Path | None = None
+        self.owned = resources.work_dir is not None  # an --offload-dir, with its manifest (else a private temp folder)
         self.written: dict[int, tuple[str, list[dict]]] = {}
-        if self.lazy is not None or resources.work_dir is not None:
-            self.dir = resources.work_dir if resources.work_dir is not None else Path(
-                tempfile.mkdtemp(prefix="rana-offload-"))
-            self._cleanup = weakref.finalize(self, shutil.rmtree, str(self.dir / "activations"), True)
+        if self.owned:
+            self.dir = Path(resources.work_dir)
+            self._claim()
+        elif self.lazy is not None:
+            self.dir = Path(tempfile.mkdtemp(prefix="rana-offload-"))
+        if self.dir is not None:
+            self._cleanup = weakref.finalize(self, remove_spill, self.dir / SCRATCH)
+
+    def _claim(self) -> None:
+        """Check the --offload-dir is new, empty or an offload folder of rana's (again: `compress_model`
+        may be called without the pre-flight; under `accelerate launch` the pre-flight checked it on
+        every process, and another process may already be spilling into it), then mark it as rana's."""
+        if not distributed.is_main_process():
+            return
+        if not distributed.active():
+            check_work_dir(self.dir, (), "--offload-dir", kind=OFFLOAD_KIND)
+        claim_folder(self.dir, OFFLOAD_KIND, dirs=[LAYERS], growing=[SCRATCH])
 
     @classmethod
     def create(cls, model: nn.Module, spec: ArchSpec, config, resources: Resources,
@@ -112,7 +149,7 @@ class Residency:
         """Calibration activations kept between layers: spilled to disk when streaming."""
         if self.dir is None:
             return inputs
-        spill = disk_spill(self.dir / "activations" / f"{distributed.rank()}")
+        spill = disk_spill(self.dir / SCRATCH / f"{distributed.rank()}")
         inputs.hidden = [spill(h) for h in inputs.hidden]
         inputs.spill = spill
         return inputs
@@ -152,11 +189,18 @@ class Residency:
 
     def _write_layer(self, idx: int, layer: nn.Module) -> None:
         prefix = f"{self.spec.layers}.{idx}."
-        folder = self.dir / "layers"
+        folder = self.dir / LAYERS
         folder.mkdir(parents=True, exist_ok=True)
         fname = f"layer-{idx:05d}.safetensors"
         state = {prefix + k: v.detach().contiguous().cpu() for k, v in layer.state_dict().items()}
+        rel = f"{LAYERS}/{fname}"
+        if self.owned:  # rana's whatever it holds if a kill stops the write; its sha256 once written
+            update_manifest(self.dir, OFFLOAD_KIND, growing=[rel])
+        # a new file, not the old one rewritten: a folder saved from an earlier run may hard-link it
+        (folder / fname).unlink(missing_ok=True)
         save_file(state, str(folder / fname), metadata={"format": "pt"})
+        if self.owned:
+            update_manifest(self.dir, OFFLOAD_KIND, written=[rel])
         specs = []
         for s in adapter_specs(layer):
             s = dict(s, path=prefix + s["path"])
