@@ -95,6 +95,24 @@ def model_folder_name(args: argparse.Namespace) -> str:
     return f"{Path(args.model).name.replace('.', '-')}-{args.method}{round(args.flops * 100)}"
 
 
+def demo_settings(args: argparse.Namespace):
+    """The demo's compression and evaluation settings (`CompressConfig`, `EvalConfig`), each checked as
+    `rana compress` and `rana eval` check theirs (every option's type and range, then what they mean
+    together), first of all: the output folder's name is made from them (`model_folder_name`)."""
+    from rana.compress import CompressConfig
+    from rana.evaluation import EvalConfig
+    from rana.settings import refuse_empty_text
+
+    refuse_empty_text(args.out, "--out")  # as a Path, '' would be '.', the current folder
+    compression = CompressConfig(model=args.model, flops=args.flops, method=args.method, calib_tokens=args.calib_tokens,
+                                 seq_len=args.seq_len, batch_size=args.batch_size, grid_step=args.grid_step)
+    compression.validate()
+    evaluation = EvalConfig(seq_len=args.seq_len, batch_size=args.batch_size, eval_tokens=args.eval_tokens,
+                            latency_tokens=args.latency_tokens, latency_repeats=args.latency_repeats, latency_warmup=1)
+    dataclasses.replace(evaluation, latency=True).validate()  # what is measured: latency, and the held-out text
+    return compression, evaluation
+
+
 def check_outputs(args: argparse.Namespace) -> Path:
     """The checks every command makes of its --out, before any work (the demo writes a folder too)."""
     from rana.checks import check_writable_dir
@@ -113,13 +131,13 @@ def run(args: argparse.Namespace) -> dict:
 
     import rana
     from rana.compress import calibration_data, compress_model
-    from rana.compress import CompressConfig
     from rana.data import BUNDLED_CORPUS, BUNDLED_HELDOUT
     from rana.io import atomic_dir
     from rana.io.models import load_model
 
     console = Console(stderr=True)
     say = lambda msg: console.print(msg, highlight=False, soft_wrap=True)  # noqa: E731
+    config, evaluation = demo_settings(args)
     out = check_outputs(args)
     t0 = time.perf_counter()
     timings: dict[str, float] = {}
@@ -137,9 +155,6 @@ def run(args: argparse.Namespace) -> dict:
     dense, tokenizer, _ = load_model(args.model)
     t = lap("load", t)
 
-    config = CompressConfig(model=args.model, flops=args.flops, method=args.method, calib_tokens=args.calib_tokens,
-                            seq_len=args.seq_len, batch_size=args.batch_size, grid_step=args.grid_step)
-    config.validate()
     say("compressing a copy of it …")
     with _progress(console) as progress:
         calibration = calibration_data(config, tokenizer)
@@ -154,7 +169,8 @@ def run(args: argparse.Namespace) -> dict:
         del result
         compressed, _ = rana.load(folder)  # measure what was saved, as a user would load it
         t = lap("save+reload", t)
-        results = _evaluate_and_write(args, dense, compressed, tokenizer, folder, out / name, timings, console)
+        results = _evaluate_and_write(args, evaluation, dense, compressed, tokenizer, folder, out / name, timings,
+                                      console)
         t = lap("evaluate", t)
         timings["total"] = round(time.perf_counter() - t0, 1)
         (tmp / "results.json").write_text(json.dumps(results, indent=2, default=float) + "\n")
@@ -162,14 +178,15 @@ def run(args: argparse.Namespace) -> dict:
     return results
 
 
-def _evaluate_and_write(args, dense, compressed, tokenizer, folder: Path, final: Path, timings: dict, console) -> dict:
-    """Evaluate dense and compressed on the held-out text, print the table and write results.json,
-    demo.png and the card's evaluation section into the demo's temp folder (`folder`'s parent);
-    `final`: where the model folder will be once it is renamed into place."""
+def _evaluate_and_write(args, evaluation, dense, compressed, tokenizer, folder: Path, final: Path, timings: dict,
+                        console) -> dict:
+    """Evaluate dense and compressed (`evaluation`: the settings, from `demo_settings`) on the held-out text,
+    print the table and write results.json, demo.png and the card's evaluation section into the demo's temp
+    folder (`folder`'s parent); `final`: where the model folder will be once it is renamed into place."""
     from rana.cli.common import print_wide
     from rana.cli.eval_cmd import eval_table
     from rana.data import BUNDLED_CORPUS, BUNDLED_HELDOUT
-    from rana.evaluation import EvalConfig, eval_tokens, evaluate_model, ppl_protocol
+    from rana.evaluation import eval_tokens, evaluate_model, ppl_protocol
     from rana.io.card import add_evaluation
     from rana.io.paths import write_manifest
     from rich.console import Console
@@ -179,8 +196,7 @@ def _evaluate_and_write(args, dense, compressed, tokenizer, folder: Path, final:
     label = BUNDLED_HELDOUT.stem
     plan = json.loads((folder / "plan.json").read_text())
     console.print("evaluating dense and compressed on the held-out text …", highlight=False, soft_wrap=True)
-    settings = EvalConfig(ppl_data={label: tokens}, seq_len=args.seq_len, batch_size=args.batch_size,
-                          latency_tokens=args.latency_tokens, latency_repeats=args.latency_repeats, latency_warmup=1)
+    settings = dataclasses.replace(evaluation, ppl_data={label: tokens})
     with _progress(console) as progress:
         dense_row = evaluate_model(dense, tokenizer, settings, name=args.model, progress=progress)
         dense_row.update(method="dense", kind="dense", label="dense")

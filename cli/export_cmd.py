@@ -22,6 +22,7 @@ def register(app: typer.Typer) -> None:
         from rana.export import export_folder
 
         hf_logging.disable_progress_bar()  # save_pretrained's shard bar; the status line says what runs
+        config.validate()  # every option, before the status line (export_folder checks the folders)
         with console.status(f"exporting {config.src}"):
             path = export_folder(config)
         shards = sorted(path.glob("*.safetensors"))

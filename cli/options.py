@@ -4,12 +4,17 @@
 export``: every field of ``ExportConfig`` made with `rana.settings.setting` becomes a Typer option (or
 argument) with the field's default, help text and spellings, and the parsed values are handed to the
 body as one ``ExportConfig``. A command module holds no option of its own: it prints.
+
+Paths are parsed as text and refused when empty, as every option's empty text is, before they become
+`Path`s (``Path('')`` is '.', the current folder: `--offload-dir ''` would fill it); every other check
+of a value is its field's (`rana.settings.Settings.validate`).
 """
 from __future__ import annotations
 
 import inspect
 import typing
 from dataclasses import MISSING, Field
+from pathlib import Path
 from typing import Callable
 
 import typer
@@ -41,22 +46,32 @@ def parameter(f: Field, hints: dict) -> inspect.Parameter:
     help_text = m.get("help")
     if callable(help_text):  # computed when the CLI is built (e.g. the method names of the registry)
         help_text = help_text()
-    if m.get("argument"):
-        info = typer.Argument(_default(f), help=help_text)
-    else:
-        info = typer.Option(_default(f), *m.get("flags", ()), help=help_text)
     annotation = m.get("cli_type") or hints[f.name]
+    # a path is parsed as text, made a Path by the command once an empty one is refused: as a Path, '' would
+    # already be '.', the current folder
+    as_text = {"path_type": str} if _is_path(annotation) else {}
+    if m.get("argument"):
+        info = typer.Argument(_default(f), help=help_text, **as_text)
+    else:
+        info = typer.Option(_default(f), *m.get("flags", ()), help=help_text, **as_text)
     return inspect.Parameter(f.name, inspect.Parameter.POSITIONAL_OR_KEYWORD, default=info, annotation=annotation)
+
+
+def _is_path(annotation) -> bool:
+    return annotation is Path or Path in typing.get_args(annotation)
 
 
 def settings_command(app: typer.Typer, name: str, settings_cls: type) -> Callable:
     """Register ``body(config: settings_cls)`` as the command `name`, its options generated from the fields."""
     hints = typing.get_type_hints(settings_cls)
     params = [parameter(f, hints) for f in cli_fields(settings_cls)]
+    paths = {p.name for p in params if _is_path(p.annotation)}
 
     def decorate(body: Callable) -> Callable:
         def command(ctx: typer.Context, **options):
             given = frozenset(k for k in options if getattr(ctx.get_parameter_source(k), "name", None) in _TYPED)
+            settings_cls.refuse_empty_options(options)  # `--dataset ''`, `--out ''`: never the current folder
+            options = {k: Path(v) if k in paths and isinstance(v, str) else v for k, v in options.items()}
             return body(settings_cls.from_options(options, given))
 
         ctx = inspect.Parameter("ctx", inspect.Parameter.POSITIONAL_OR_KEYWORD, annotation=typer.Context)

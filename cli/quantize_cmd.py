@@ -18,6 +18,7 @@ def register(app: typer.Typer) -> None:
         """Quantize a rana folder's weights (int8), refitting its thresholds on the quantized model."""
         from rana.quantize import quantize_folder
 
+        config.validate()  # every option first, as every command checks its own (quantize_folder checks again)
         with LazyProgress(f"quantizing {config.src}") as progress:
             path, report = quantize_folder(config, progress=progress)  # checks everything before loading
         errors = [m["relative_error"] for m in report["modules"]]

@@ -30,20 +30,37 @@ def dtype_bytes(dtype: str) -> int:
 
 _UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "m": 10**6, "mb": 10**6, "g": 10**9, "gb": 10**9, "t": 10**12,
           "tb": 10**12, "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
+# the units huggingface_hub's safetensors sharding reads (`parse_size_to_int`): what --max-shard-size takes
+_FILE_UNITS = {"kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12}
 
 
-def parse_memory(text: str | int | float | None) -> int | None:
+def parse_memory(text: str | int | float | None, option: str = "--max-memory") -> int | None:
     """'2GB' / '512MiB' / '1.5g' / 2e9 → bytes (decimal units for GB/MB, binary for GiB/MiB)."""
     if text is None:
         return None
+    return _parse_size(text, option, _UNITS, "2GB, 512MB, 80GiB")
+
+
+def parse_file_size(text: str | int, option: str) -> int:
+    """'500MB' / '2GB' / 2_000_000_000 → bytes: a size as the safetensors writer splits shards at (KB, MB, GB,
+    TB, decimal; no bare number of bytes as text, which the writer would refuse)."""
+    return _parse_size(text, option, _FILE_UNITS, "500MB, 2GB")
+
+
+def _parse_size(text: str | int | float, option: str, units: dict, examples: str) -> int:
+    """A positive number of bytes, from a number or text in `units`; one UserError naming `option` otherwise."""
+    if isinstance(text, bool) or isinstance(text, float) and not math.isfinite(text):
+        raise UserError(f"{option} {text!r} is not a size; write e.g. {examples}")
     if isinstance(text, (int, float)):
-        return int(text)
-    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+(?:e[0-9]+)?)\s*([a-zA-Z]*)\s*", str(text))
-    if not m or m.group(2).lower() not in _UNITS:
-        raise UserError(f"--max-memory '{text}' is not a memory size; write e.g. 2GB, 512MB, 80GiB")
-    value = int(float(m.group(1)) * _UNITS[m.group(2).lower()])
+        value = int(text)
+    else:
+        m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+(?:e[0-9]+)?)\s*([a-zA-Z]*)\s*", str(text))
+        if not m or m.group(2).lower() not in units:
+            raise UserError(f"{option} '{text}' is not a {'memory ' if units is _UNITS else ''}size; write e.g. "
+                            f"{examples}")
+        value = int(float(m.group(1)) * units[m.group(2).lower()])
     if value <= 0:
-        raise UserError(f"--max-memory must be positive, got '{text}'")
+        raise UserError(f"{option} must be positive, got '{text}'")
     return value
 
 

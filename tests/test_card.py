@@ -7,7 +7,8 @@ import pytest
 import yaml
 from typer.testing import CliRunner
 
-from rana.io.card import RecipeError, base_model_id, load_recipe
+from rana.compress.config import read_recipe as load_recipe
+from rana.io.card import RecipeError, base_model_id
 from rana.cli.app import app
 
 runner = CliRunner()

@@ -4,16 +4,18 @@
 `from_options` builds it from the command line, merged into a recipe when `--recipe` names one."""
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, replace
 from pathlib import Path
 
 from ..checks import check_device
 from ..errors import UserError
-from ..io.card import load_recipe
-from ..io.compress_settings import CompressSettings
+from ..io.card import RECIPE, RECIPE_VERSION, RecipeError
+from ..io.compress_settings import CompressSettings, recipe_settings
+from ..io.jsonfile import read_json
 from ..io.format import WEIGHT_FORMATS
 from ..io.paths import OutputExistsError
-from ..settings import setting
+from ..settings import refuse_empty_text, setting
 from ..units import parse_memory
 
 from ..methods import METHODS  # the registry names, current when read
@@ -58,7 +60,7 @@ class CompressConfig(CompressSettings):
                 raise UserError("missing MODEL: pass a model (alias, hub id, folder or .gguf) or --recipe FILE")
             return super().from_options(options, given)
         own = {k: options[k] for k in ("out", "overwrite", "recipe") if k in options}
-        settings = {**own, **load_recipe(recipe), **{k: v for k, v in options.items() if k in given}}
+        settings = {**own, **read_recipe(recipe), **{k: v for k, v in options.items() if k in given}}
         if not settings.get("model"):
             raise UserError(f"recipe {recipe} names no model: pass MODEL")
         return super().from_options(settings, given)
@@ -69,9 +71,9 @@ class CompressConfig(CompressSettings):
         return replace(self, lm_head=resolve_lm_head(self.lm_head, get_method(self.method).lm_head))
 
     def validate(self) -> None:
-        """One UserError naming the option for the first value that cannot work."""
-        if not 0.0 < self.flops <= 1.0:
-            raise UserError(f"--flops must be in (0, 1], got {self.flops}: it is the fraction of the dense model's FLOPs to keep")
+        """One UserError naming the option for the first value that cannot work: each field's type and
+        range (`Settings.validate`), then what they mean together."""
+        super().validate()
         if self.method not in METHODS:
             hint = renamed_hint(self.method)
             raise UserError(f"unknown method '{self.method}' ({f'{hint}; ' if hint else ''}choose from {', '.join(METHODS)})")
@@ -79,12 +81,8 @@ class CompressConfig(CompressSettings):
             raise UserError(f"unknown allocation '{self.allocation}' (choose uniform or global)")
         check_lm_head(self.lm_head)
         parse_memory(self.max_memory)  # refuses what is not a memory size (rana.compress.Resources keeps the bytes)
-        if self.seq_len < 8:
-            raise UserError(f"--seq-len must be at least 8, got {self.seq_len}")
         if self.calib_tokens < 2 * self.seq_len:
             raise UserError(f"--calib-tokens ({self.calib_tokens}) must be at least two sequences (2 × --seq-len = {2 * self.seq_len})")
-        if not 0.0 < self.heldout_fraction < 1.0:
-            raise UserError("heldout fraction must be in (0, 1)")
         n_seq = self.calib_tokens // self.seq_len
         fit_tokens = (n_seq - max(1, round(n_seq * self.heldout_fraction))) * self.seq_len
         if fit_tokens < MIN_FIT_TOKENS:
@@ -94,11 +92,6 @@ class CompressConfig(CompressSettings):
         if self.calib_tokens > MAX_CALIB_TOKENS:
             raise UserError(f"--calib-tokens {self.calib_tokens} is beyond any useful calibration set (at most "
                             f"{MAX_CALIB_TOKENS:,}; the paper uses about 32k)")
-        for name in ("batch_size", "fit_sample_tokens", "search_tokens"):
-            if getattr(self, name) < 1:
-                raise UserError(f"--{name.replace('_', '-')} must be a positive integer, got {getattr(self, name)}")
-        if not 0.0 < self.grid_step <= 1.0:
-            raise UserError(f"--grid-step must be in (0, 1] (a share of the MLP budget), got {self.grid_step}")
         check_device(self.device)
         check_device(self.offload_device)
         if self.weights not in WEIGHT_FORMATS:
@@ -108,11 +101,27 @@ class CompressConfig(CompressSettings):
                             "in memory, or compress first and run `rana quantize` on the folder")
 
 
+def read_recipe(path: str | os.PathLike) -> dict:
+    """The settings of recipe file `path` (or of the recipe.json in the rana folder / export `path`), read
+    with a size and depth bound (`rana.io.jsonfile`: 100,000 nested brackets are one line, not a
+    RecursionError) and checked by `recipe_settings`: from this rana or an older one, each value of its
+    setting's type."""
+    path = Path(os.path.expanduser(str(path)))
+    if path.is_dir():
+        path = path / RECIPE
+    if not path.is_file():
+        raise RecipeError(f"recipe not found: {path} (pass a recipe.json or a folder written by `rana compress`)")
+    return recipe_settings(read_json(path, f"recipe {path}"), f"recipe {path}", RECIPE_VERSION, RecipeError)
+
+
 def refuse_existing_out(out, overwrite: bool) -> None:
     """An existing --out without --overwrite: the first thing `rana compress` reports (check_output then
-    looks closer: overlaps with the inputs, and what --overwrite may replace)."""
+    looks closer: overlaps with the inputs, and what --overwrite may replace). An empty --out is no
+    folder: '' would be the current one, which exists."""
+    refuse_empty_text(out, "--out")
     if out is not None and Path(out).exists() and not overwrite:
         raise OutputExistsError(f"output folder '{out}' already exists; choose another --out or pass --overwrite")
 
 
-__all__ = ["CompressConfig", "METHODS", "MIN_FIT_TOKENS", "MAX_CALIB_TOKENS", "min_calib_tokens", "refuse_existing_out"]
+__all__ = ["CompressConfig", "METHODS", "MIN_FIT_TOKENS", "MAX_CALIB_TOKENS", "min_calib_tokens", "read_recipe",
+           "refuse_existing_out"]

@@ -8,6 +8,7 @@ names the library used before the settings object existed (`LIBRARY_NAMES`: ``pp
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, List, Optional
@@ -39,25 +40,25 @@ class EvalConfig(Settings):
     ppl_protocol: str = setting("rana", f"perplexity protocol preset: {PPL_PRESET_HELP}")
     seq_len: Optional[int] = setting(None, "perplexity window length, also the attention context for FLOPs (default: "
                                            "the --ppl-protocol preset's; for teal, the context before the 512 scored "
-                                           "tokens)")
-    batch_size: int = setting(4, "windows per perplexity forward")
+                                           "tokens)", min=2)
+    batch_size: int = setting(4, "windows per perplexity forward", min=1)
     eval_tokens: Optional[int] = setting(None, "score only the first N tokens of each text's stream (default: all, as "
-                                               "every preset)")
+                                               "every preset)", min=1)
     text_column: str = setting("text", "text column for json/parquet/hub data")
     tasks: Any = setting(None, "comma list of lm-eval tasks (hellaswag,lambada_openai; offline: "
                                "hellaswag_local,lambada_openai_local with --task-data)", cli_type=Optional[str])
     include_path: Optional[Path] = setting(None, "folder of extra lm-eval task YAMLs")
     task_data: Optional[Path] = setting(None, "data folder for the bundled *_local tasks (holds eval/…jsonl), e.g. "
                                               "../shared/data")
-    limit: Optional[float] = setting(None, "lm-eval examples per task (a number, or a fraction < 1)")
-    num_fewshot: int = setting(0, "lm-eval few-shot examples")
+    limit: Optional[float] = setting(None, "lm-eval examples per task (a number, or a fraction < 1)", above=0)
+    num_fewshot: int = setting(0, "lm-eval few-shot examples", min=0)
     latency: bool = setting(False, "batch-1 decode tokens/s, timed interleaved with the dense model",
                             flags=("--latency",))
     dense: Optional[str] = setting(None, "dense model for --latency / --layer-errors (default: plan.json's model)",
                                    flags=("--dense",))
-    latency_tokens: int = setting(64, "tokens generated per latency run")
-    latency_repeats: int = setting(5, "timed latency runs (median)")
-    latency_warmup: int = setting(2, "untimed latency runs first", cli=False)
+    latency_tokens: int = setting(64, "tokens generated per latency run", min=1)
+    latency_repeats: int = setting(5, "timed latency runs (median)", min=1)
+    latency_warmup: int = setting(2, "untimed latency runs first", cli=False, min=0)
     latency_mode: Optional[str] = setting(
         AUTO, "latency harness: compiled (generate, static cache + torch.compile) | step (gpt-fast style: compiled "
               "one-token step, no generate overhead) | eager | serve (streamed completions through `transformers "
@@ -65,7 +66,7 @@ class EvalConfig(Settings):
               "elsewhere)", cli_type=str)
     layer_errors: bool = setting(False, "per-layer relative output error of QKV/o/MLP vs the dense model on the "
                                         "first --ppl-data text", flags=("--layer-errors",))
-    layer_error_tokens: int = setting(8192, "tokens for --layer-errors")
+    layer_error_tokens: int = setting(8192, "tokens for --layer-errors", min=2)
     json_out: Optional[Path] = setting(None, "write machine-readable results here", flags=("--json",))
     dtype: str = setting("float32", "float32 | bfloat16 | float16")
     device: str = setting("cpu", "compute device (cpu, cuda, …)")
@@ -75,7 +76,7 @@ class EvalConfig(Settings):
         """The command line types --limit as a float: a whole number ≥ 1 is a count of examples."""
         config = super().from_options(options, given)
         value = config.limit
-        if value is not None and value >= 1 and float(value).is_integer():
+        if value is not None and math.isfinite(value) and value >= 1 and float(value).is_integer():
             config.limit = int(value)
         return config
 
@@ -110,32 +111,24 @@ class EvalConfig(Settings):
 
     # ------------------------------------------------------------------ checks
     def validate(self) -> None:
-        """Every value, in the order `rana eval` has always checked them (one UserError each)."""
+        """Every field's type and range (`Settings.validate`), then, in the order `rana eval` has always
+        checked them, what they mean together (one UserError each)."""
+        super().validate()
         check_request(ppl_sources=self.ppl_data, tasks=self.task_list, latency=self.latency,
                       layer_errors=self.layer_errors)
         if self.latency_mode not in LATENCY_MODE_CHOICES:
             raise UserError(f"--latency-mode must be auto, compiled, step, eager or serve, got {self.latency_mode!r}")
         if self.latency and self.latency_mode == SERVE_MODE:
             check_serve_available()  # `transformers serve` installed: one line before any work
-        self._check_counts(self.protocol.window)
+        self._check_eval_tokens(self.protocol.window)
         if self.dtype not in DTYPES:
             raise UserError(f"--dtype must be one of float32, bfloat16, float16, got '{self.dtype}'")
         check_device(self.device)
-        if self.limit is not None and self.limit <= 0:
-            raise UserError(f"--limit must be positive, got {self.limit}")
 
-    def _check_counts(self, window: int) -> None:
-        for option, value in (("--batch-size", self.batch_size), ("--latency-tokens", self.latency_tokens),
-                              ("--latency-repeats", self.latency_repeats)):
-            if value < 1:
-                raise UserError(f"{option} must be a positive integer, got {value}")
+    def _check_eval_tokens(self, window: int) -> None:
         if self.eval_tokens is not None and self.eval_tokens < window:
             raise UserError(f"--eval-tokens ({self.eval_tokens}) must be at least one perplexity window ({window} "
                             "tokens)")
-        if self.layer_error_tokens < 2:
-            raise UserError(f"--layer-error-tokens must be at least 2, got {self.layer_error_tokens}")
-        if self.num_fewshot < 0:
-            raise UserError(f"--num-fewshot must be ≥ 0, got {self.num_fewshot}")
 
 
 def check_request(*, ppl_sources=(), tasks=(), latency: bool = False, layer_errors: bool = False) -> None:

@@ -177,7 +177,9 @@ def _rana_version() -> str | None:
 
 
 def export_folder(config: ExportConfig) -> Path:
-    """`rana export` as a library call: `export` with the settings of one `ExportConfig`."""
+    """`rana export` as a library call: `export` with the settings of one `ExportConfig` (checked first, as
+    the command line checks them)."""
+    config.validate()
     return export(config.src, config.out, overwrite=config.overwrite, max_shard_size=config.max_shard_size,
                   format=config.format)
 

@@ -15,7 +15,8 @@ import torch.nn as nn
 from ..modules.laurel import LaurelConfig, parse_variant
 from ..units import parse_tokens
 from ..errors import UserError
-from ..settings import Settings, setting
+from ..io.jsonfile import MAX_DEPTH, nesting_depth
+from ..settings import MAX_SEED, Settings, setting
 
 PRECISIONS = ("auto", "no", "bf16", "fp16")
 DEFAULT_LR = {"lora": 2e-4, "full": 2e-5, "laurel": 1e-3}
@@ -48,6 +49,8 @@ class FinetuneConfig(Settings):
     ``tokens`` and ``sweep_lrs`` may be given as text ("2M", "5e-5,2e-4"), as the command line gives them.
     """
 
+    error = FinetuneError
+
     source: str = setting(help="rana folder from `rana compress` (or, with --full / --lora-targets, a dense model)",
                           argument=True, required=True)
     out: str | None = setting(None, "output rana folder (must not exist unless --overwrite)", flags=("--out", "-o"),
@@ -60,54 +63,55 @@ class FinetuneConfig(Settings):
     split: str = setting("train", "hub dataset split")
     text_column: str = setting("text", "text column for json/parquet/hub data")
     tokenizer: str | None = setting(None, "take the tokenizer from this model when the source has none")
-    heldout_fraction: float = setting(0.05, "share of --data held out when --eval-data is not given")
-    eval_tokens: int = setting(65536, "held-out tokens scored per evaluation (at most)")
+    heldout_fraction: float = setting(0.05, "share of --data held out when --eval-data is not given", above=0,
+                                      below=1)
+    eval_tokens: int = setting(65536, "held-out tokens scored per evaluation (at most)", min=1)
     # budget / optimisation
     tokens: int = setting(2_000_000, "training token budget, e.g. 2M, 500k, 1.5e6", cli_type=str, cli_default="2M")
-    seq_len: int = setting(512, "tokens per packed training block")
-    batch_size: int = setting(4, "blocks per micro-batch, per process")
-    grad_accum: int = setting(1, "micro-batches per optimizer step")
-    lr: float | None = setting(None, "peak learning rate (default 2e-4 LoRA, 2e-5 full, 1e-3 LAuReL only)")
+    seq_len: int = setting(512, "tokens per packed training block", min=2)
+    batch_size: int = setting(4, "blocks per micro-batch, per process", min=1)
+    grad_accum: int = setting(1, "micro-batches per optimizer step", min=1)
+    lr: float | None = setting(None, "peak learning rate (default 2e-4 LoRA, 2e-5 full, 1e-3 LAuReL only)", above=0)
     lr_sweep: bool = setting(False, "try a few learning rates on a short prefix, keep the best held-out loss",
                              flags=("--lr-sweep",))
     sweep_lrs: tuple = setting((), "comma list of learning rates for --lr-sweep (default lr × 0.25, 1, 4)",
                                cli_type=Optional[str], cli_default=None)
-    sweep_frac: float = setting(0.1, "share of the budget each sweep trial trains for")
-    warmup: float = setting(0.05, "warm-up share of the steps (then cosine decay)")
-    min_lr_ratio: float = setting(0.1, "cosine floor as a share of the peak lr")
-    weight_decay: float = setting(0.0, "AdamW weight decay (matrices only)")
+    sweep_frac: float = setting(0.1, "share of the budget each sweep trial trains for", above=0, max=1)
+    warmup: float = setting(0.05, "warm-up share of the steps (then cosine decay)", min=0, below=1)
+    min_lr_ratio: float = setting(0.1, "cosine floor as a share of the peak lr", min=0, max=1)
+    weight_decay: float = setting(0.0, "AdamW weight decay (matrices only)", min=0)
     betas: tuple = setting((0.9, 0.999), "AdamW betas", cli=False)
-    max_grad_norm: float = setting(1.0, "gradient clipping (0: off)")
+    max_grad_norm: float = setting(1.0, "gradient clipping (0: off)", min=0)
     # what trains
     full: bool = setting(False, "full fine-tuning of every weight", flags=("--full",))
     lora_targets: str | None = setting(None, "adapters (default) | all (adapters + unadapted projections) | none | "
                                              "comma list of module names")
-    lora_r: int = setting(16, "LoRA rank")
-    lora_alpha: float = setting(32.0, "LoRA alpha")
-    lora_dropout: float = setting(0.0, "LoRA dropout")
+    lora_r: int = setting(16, "LoRA rank", min=1)
+    lora_alpha: float = setting(32.0, "LoRA alpha", above=0)
+    lora_dropout: float = setting(0.0, "LoRA dropout", min=0, below=1)
     laurel: str = setting("none", "LAuReL residuals: none | rw | lr | rw+lr | rw+lr+pa (any '+' mix of rw, skip, lr, "
                                   "pa)")
-    laurel_rank: int = setting(16, "rank of LAuReL's low-rank map (lr)")
-    laurel_history: int = setting(2, "previous activations mixed by LAuReL-PA")
+    laurel_rank: int = setting(16, "rank of LAuReL's low-rank map (lr)", min=1)
+    laurel_history: int = setting(2, "previous activations mixed by LAuReL-PA", min=1)
     self_guided_frac: float = setting(0.0, "self-guided start: α·dense + (1−α)·adapted, α → 0 over this share of the "
-                                           "steps")
+                                           "steps", min=0, max=1)
     dense_model: str | None = setting(None, "dense model for --self-guided-frac (default: plan.json's model)")
     # runtime
     precision: str = setting("auto", "auto (bf16 on CUDA with bf16, else fp32) | no | bf16 | fp16")
     dtype: str = setting("float32", "weight dtype while training: float32 | bfloat16 | float16")
     gradient_checkpointing: bool = setting(False, "recompute activations in backward (less memory)",
                                            flags=("--gradient-checkpointing",))
-    seed: int = setting(0)
-    eval_every: int = setting(0, "steps between held-out evaluations (0: about 10 per run)")
+    seed: int = setting(0, min=0, max=MAX_SEED)
+    eval_every: int = setting(0, "steps between held-out evaluations (0: about 10 per run)", min=0)
     eval_at_start: bool = setting(True, "score the held-out set before training",
                                   flags=("--eval-at-start/--no-eval-at-start",))
-    eval_batch_size: int = setting(0, "held-out blocks per forward (0: batch_size)", cli=False)
-    save_every: int | None = setting(None, "steps between checkpoints (default: about 5 per run; 0: none)")
+    eval_batch_size: int = setting(0, "held-out blocks per forward (0: batch_size)", cli=False, min=0)
+    save_every: int | None = setting(None, "steps between checkpoints (default: about 5 per run; 0: none)", min=0)
     checkpoint_dir: str | None = setting(None, "checkpoint folder (default OUT/.checkpoints, removed when the run "
                                                "finishes)", cli_type=Optional[Path])
-    keep_checkpoints: int = setting(2, "newest checkpoints kept")
+    keep_checkpoints: int = setting(2, "newest checkpoints kept", min=1)
     resume: bool = setting(False, "continue from the newest checkpoint (same settings required)", flags=("--resume",))
-    stop_after: int | None = setting(None, "stop after this many steps, with a checkpoint, to --resume later")
+    stop_after: int | None = setting(None, "stop after this many steps, with a checkpoint, to --resume later", min=1)
     overwrite: bool = setting(False, "replace an existing --out folder / start over its checkpoints")
 
     @classmethod
@@ -119,7 +123,7 @@ class FinetuneConfig(Settings):
         return super().from_options(options, given)
 
     def __post_init__(self):
-        if isinstance(self.tokens, str):
+        if not isinstance(self.tokens, int) or isinstance(self.tokens, bool):  # "2M", 1.5e6: a whole budget
             self.tokens = parse_tokens(self.tokens)
         if isinstance(self.sweep_lrs, str):
             self.sweep_lrs = tuple(x for x in self.sweep_lrs.split(",") if x.strip())
@@ -135,44 +139,12 @@ class FinetuneConfig(Settings):
 
     # ------------------------------------------------------------------ checks
     def validate(self) -> None:
-        def positive(name, value, kind=int):
-            if not isinstance(value, kind) or isinstance(value, bool) or value < 1:
-                raise FinetuneError(f"--{name.replace('_', '-')} must be a positive integer, got {value!r}")
-
+        """Every field's type and range (`Settings.validate`), then the budget and what the fields mean
+        together (one FinetuneError, or UserError, each)."""
+        super().validate()
         parse_tokens(self.tokens)
-        positive("seq_len", self.seq_len)
-        if self.seq_len < 2:
-            raise FinetuneError(f"--seq-len must be at least 2, got {self.seq_len}")
-        positive("batch_size", self.batch_size)
-        positive("grad_accum", self.grad_accum)
-        positive("lora_r", self.lora_r)
-        positive("eval_tokens", self.eval_tokens)
-        if not (self.lora_alpha > 0 and math.isfinite(self.lora_alpha)):
-            raise FinetuneError(f"--lora-alpha must be a positive number, got {self.lora_alpha!r}")
-        if not 0.0 <= self.lora_dropout < 1.0:
-            raise FinetuneError(f"--lora-dropout is a probability in [0, 1), got {self.lora_dropout!r}")
-        if not (self.weight_decay >= 0 and math.isfinite(self.weight_decay)):
-            raise FinetuneError(f"--weight-decay must be ≥ 0, got {self.weight_decay!r}")
-        if not (self.max_grad_norm >= 0 and math.isfinite(self.max_grad_norm)):
-            raise FinetuneError(f"--max-grad-norm must be ≥ 0 (0: no clipping), got {self.max_grad_norm!r}")
-        if self.eval_every < 0:
-            raise FinetuneError(f"--eval-every must be ≥ 0 (0: about 10 evaluations per run), got {self.eval_every}")
-        if self.eval_batch_size < 0:
-            raise FinetuneError(f"eval_batch_size must be ≥ 0 (0: batch_size), got {self.eval_batch_size}")
-        if self.lr is not None and not (self.lr > 0 and math.isfinite(self.lr)):
-            raise FinetuneError(f"--lr must be a positive number, got {self.lr!r}")
         if any(not (x > 0 and math.isfinite(x)) for x in self.sweep_lrs):
             raise FinetuneError(f"--sweep-lrs must be positive numbers, got {self.sweep_lrs!r}")
-        if not 0.0 < self.sweep_frac <= 1.0:
-            raise FinetuneError(f"--sweep-frac must be in (0, 1], got {self.sweep_frac}")
-        if not 0.0 <= self.warmup < 1.0:
-            raise FinetuneError(f"--warmup is a share of the steps in [0, 1), got {self.warmup}")
-        if not 0.0 <= self.min_lr_ratio <= 1.0:
-            raise FinetuneError(f"--min-lr-ratio must be in [0, 1], got {self.min_lr_ratio}")
-        if not 0.0 < self.heldout_fraction < 1.0:
-            raise FinetuneError(f"--heldout-fraction must be in (0, 1), got {self.heldout_fraction}")
-        if not 0.0 <= self.self_guided_frac <= 1.0:
-            raise FinetuneError(f"--self-guided-frac must be in [0, 1], got {self.self_guided_frac}")
         if self.precision not in PRECISIONS:
             raise FinetuneError(f"--precision must be one of {', '.join(PRECISIONS)}, got {self.precision!r}")
         if self.dtype not in ("float32", "bfloat16", "float16"):
@@ -185,12 +157,6 @@ class FinetuneConfig(Settings):
                 raise FinetuneError(f"--laurel: {e}") from None
         if self.full and self.lora_targets not in (None, "none"):
             raise FinetuneError("--full trains every weight; it cannot be combined with --lora-targets")
-        if self.save_every is not None and self.save_every < 0:
-            raise FinetuneError(f"--save-every must be ≥ 0, got {self.save_every}")
-        if self.stop_after is not None and self.stop_after < 1:
-            raise FinetuneError(f"--stop-after must be ≥ 1, got {self.stop_after}")
-        if self.keep_checkpoints < 1:
-            raise FinetuneError(f"--keep-checkpoints must be ≥ 1, got {self.keep_checkpoints}")
         if self.out is None and self.checkpoint_dir is None and (self.resume or self.stop_after):
             raise FinetuneError("--resume / --stop-after need checkpoints: pass --out or --checkpoint-dir")
 
@@ -203,6 +169,8 @@ class FinetuneConfig(Settings):
 
     @classmethod
     def from_dict(cls, d: dict) -> "FinetuneConfig":
+        if not isinstance(d, dict):
+            raise FinetuneError(f"a FinetuneConfig is a JSON object of settings, got {type(d).__name__}")
         names = {f.name for f in fields(cls)}
         unknown = set(d) - names
         if unknown:
@@ -214,7 +182,14 @@ class FinetuneConfig(Settings):
 
     @classmethod
     def from_json(cls, text: str) -> "FinetuneConfig":
-        return cls.from_dict(json.loads(text))
+        """The config of `to_json`'s text; nested deeper than any config (the parser recurses): one error."""
+        if nesting_depth(text) > MAX_DEPTH:
+            raise FinetuneError(f"a FinetuneConfig's JSON nests deeper than the {MAX_DEPTH} levels rana reads")
+        try:
+            d = json.loads(text)
+        except ValueError as e:
+            raise FinetuneError(f"a FinetuneConfig's JSON is not valid JSON ({e})") from None
+        return cls.from_dict(d)
 
     def hashed_fields(self) -> dict:
         d = {k: v for k, v in self.to_dict().items() if k not in _UNHASHED}

@@ -17,7 +17,6 @@ from __future__ import annotations
 import json
 import os
 import re
-from dataclasses import fields
 from pathlib import Path
 from typing import Any
 
@@ -26,6 +25,7 @@ from .aliases import ALIASES
 from ..settings import cli_fields
 from .compress_settings import CompressSettings
 from .format import PLAN, RANA_CONFIG
+from .jsonfile import read_json
 from ..errors import UserError
 
 RECIPE = "recipe.json"
@@ -70,35 +70,6 @@ def command_line(config: dict, out: str = "OUT") -> str:
 
 def _quote(s: str) -> str:
     return s if re.fullmatch(r"[\w./:@+,=-]+", s) else "'" + s.replace("'", "'\\''") + "'"
-
-
-def load_recipe(path: str | Path) -> dict:
-    """The CompressConfig settings in a recipe file (or in the recipe.json of a rana folder /
-    export). Unknown settings are refused, so a typo in a hand-written recipe is not ignored."""
-
-    path = Path(os.path.expanduser(str(path)))
-    if path.is_dir():
-        path = path / RECIPE
-    if not path.is_file():
-        raise RecipeError(f"recipe not found: {path} (pass a recipe.json or a folder written by `rana compress`)")
-    try:
-        doc = json.loads(path.read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise RecipeError(f"recipe {path} is not valid JSON: {e}") from None
-    if not isinstance(doc, dict):
-        raise RecipeError(f"recipe {path} must hold a JSON object")
-    if doc.get("command", "compress") != "compress":
-        raise RecipeError(f"recipe {path} is for `rana {doc['command']}`, not `rana compress`")
-    settings = doc.get("config", doc)
-    if not isinstance(settings, dict):
-        raise RecipeError(f"recipe {path}: 'config' must be an object")
-    known = {f.name for f in fields(CompressSettings)}
-    ignored = {"rana_recipe", "command", "rana_version", "equivalent_command", "format_version"}
-    unknown = sorted(set(settings) - known - ignored)
-    if unknown:
-        raise RecipeError(f"recipe {path} has unknown setting(s) {', '.join(unknown)} "
-                          f"(known: {', '.join(sorted(known))})")
-    return {k: v for k, v in settings.items() if k in known}
 
 
 def _compress_config(meta: dict, plan: dict | None) -> dict | None:
@@ -284,7 +255,7 @@ def final_name(name: str) -> str:
 
 
 def _read_json(path: Path) -> dict | None:
-    return json.loads(path.read_text()) if path.is_file() else None
+    return read_json(path) if path.is_file() else None
 
 
 def _write_text(path: Path, text: str) -> None:
@@ -320,5 +291,5 @@ def add_evaluation(folder: Path, evaluation: dict) -> None:
     write_folder_card(folder)
 
 
-__all__ = ["RECIPE", "CARD", "EVALUATION", "RecipeError", "recipe_from", "command_line", "load_recipe",
+__all__ = ["RECIPE", "CARD", "EVALUATION", "RecipeError", "recipe_from", "command_line",
            "base_model_id", "render_card", "final_name", "write_folder_card", "write_export_card", "add_evaluation"]

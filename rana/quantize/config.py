@@ -6,7 +6,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ..errors import UserError
-from ..settings import Settings, setting
+from ..settings import MAX_SEED, Settings, setting
 
 DEFAULT_CALIB_TOKENS = 8192  # --calib-tokens' default (also bench_int8's)
 # --activations' default: int8 (W8A8) decoded SmolLM2 in 0.74-0.80x float's (W8A16) time at 1 thread, perplexity
@@ -32,23 +32,23 @@ class QuantizeConfig(Settings):
     dataset: str | None = setting(None, "calibration text: local .txt/.jsonl/.parquet file or folder, or a hub dataset "
                                         "(default: bundled corpus)")
     calib_tokens: int = setting(DEFAULT_CALIB_TOKENS, "calibration tokens for the scales and the threshold refit (0: "
-                                                      "max-abs scales, thresholds kept)", flags=("--calib-tokens",))
+                                                      "max-abs scales, thresholds kept)", flags=("--calib-tokens",),
+                                min=0)
     seq_len: int | None = setting(None, "calibration window (default: the folder's compression setting, else 512)",
-                                  flags=("--seq-len",))
-    batch_size: int = setting(8, "windows per calibration forward", flags=("--batch-size",))
-    seed: int = setting(0)
+                                  flags=("--seq-len",), min=2)
+    batch_size: int = setting(8, "windows per calibration forward", flags=("--batch-size",), min=1)
+    seed: int = setting(0, min=0, max=MAX_SEED)
     overwrite: bool = setting(False, "replace an existing --out folder")
 
+    error = QuantizeError
+
     def validate(self) -> None:
-        """The calibration sizes (QuantizeError). `rana.quantize.quantize_folder` checks --weights first, then
-        the folders, then these."""
+        """Every field's type and range (`Settings.validate`), then the choices (QuantizeError).
+        `rana.quantize.quantize_folder` checks --weights first, then the folders, then these."""
+        super().validate()
         if self.activations not in ACTIVATION_CHOICES:
             raise QuantizeError(f"--activations must be one of {', '.join(ACTIVATION_CHOICES)}, "
                                 f"got {self.activations!r}")
-        if self.calib_tokens < 0:
-            raise QuantizeError(f"--calib-tokens must be 0 (no calibration) or positive, got {self.calib_tokens}")
-        if self.batch_size < 1:
-            raise QuantizeError(f"--batch-size must be a positive integer, got {self.batch_size}")
 
 
 __all__ = ["DEFAULT_CALIB_TOKENS", "DEFAULT_ACTIVATIONS", "QuantizeConfig", "QuantizeError"]

@@ -14,7 +14,7 @@ from ..errors import UserError
 from ..evaluation import EvalConfig
 from ..evaluation.perplexity import PplProtocol, ppl_preset
 from ..methods import METHODS, get_method, names
-from ..settings import Settings, borrowed, setting
+from ..settings import Settings, borrowed, refuse_empty_text, setting
 from .report import DENSE
 
 DEFAULT_METHODS = ("rana", "cats", "svd", "teal")
@@ -33,7 +33,7 @@ class SweepConfig(Settings):
                                  cli_default=",".join(DEFAULT_METHODS), help=lambda: f"comma list of: dense, {', '.join(names())}")
     flops: list[float] = setting(default_factory=lambda: list(DEFAULT_FLOPS), cli_type=str,
                                  cli_default=",".join(map(str, DEFAULT_FLOPS)),
-                                 help="comma list of FLOP budgets (fractions of dense)")
+                                 help="comma list of FLOP budgets (fractions of dense)", above=0, max=1)
     dense: bool = setting(True, "also evaluate the dense model (the baseline row)", flags=("--dense/--no-dense",))
     dataset: str | None = borrowed(CompressConfig, "dataset", help="calibration text: hub dataset or local file/folder "
                                                                     "(default: bundled corpus)")
@@ -50,7 +50,8 @@ class SweepConfig(Settings):
     batch_size: int = borrowed(CompressConfig, "batch_size")  # calibration forward
     eval_batch_size: int = borrowed(EvalConfig, "batch_size")
     figure_flops: float | None = setting(None, "budget for the per-layer figures (default: the smallest)")
-    histogram_tokens: int = setting(2048, cli=False)  # tokens of the first text for the rank-contribution histograms
+    # tokens of the first text for the rank-contribution histograms
+    histogram_tokens: int = setting(2048, cli=False, min=1)
     dtype: str = borrowed(CompressConfig, "dtype")
     device: str = borrowed(CompressConfig, "device", help="compute device (cpu, cuda, …)")
     grid_step: float = borrowed(CompressConfig, "grid_step", help="MLP budget-split grid step")
@@ -61,6 +62,7 @@ class SweepConfig(Settings):
     save_models: bool = setting(False, "also save each compressed model under OUT/models/", flags=("--save-models",))
 
     def __post_init__(self) -> None:
+        refuse_empty_text(self.out, "--out")  # as a Path, '' would be '.': the current folder
         self.out = Path(self.out)
         methods = [m.strip() for m in self.methods if m.strip()]
         if DENSE in methods:
@@ -76,6 +78,9 @@ class SweepConfig(Settings):
         return super().from_options(options, given)
 
     def validate(self) -> None:
+        """Every field's type and range (`Settings.validate`), then what they mean together, then one
+        point's compression settings."""
+        super().validate()
         bad = [m for m in self.methods if m not in METHODS]
         if bad:
             raise UserError(f"unknown method(s) {', '.join(bad)} (choose from dense, {', '.join(METHODS)})")
@@ -83,14 +88,9 @@ class SweepConfig(Settings):
             raise UserError("nothing to run: pass --methods (and/or --dense)")
         if self.methods and not self.flops:
             raise UserError("pass at least one --flops budget")
-        for f in self.flops:
-            if not 0.0 < f <= 1.0:
-                raise UserError(f"--flops must be in (0, 1], got {f}: it is the fraction of the dense model's FLOPs to keep")
         if not self.ppl_data:
             raise UserError("pass at least one --ppl-data text to evaluate on (never the calibration text)")
         check_lm_head(self.lm_head)
-        if self.eval_batch_size < 1:
-            raise UserError(f"--eval-batch-size must be a positive integer, got {self.eval_batch_size}")
         window = self.eval_protocol().window
         if self.eval_tokens is not None and self.eval_tokens < window:
             raise UserError(f"--eval-tokens ({self.eval_tokens}) must be at least one perplexity window ({window} tokens)")
