@@ -10,7 +10,7 @@ from pathlib import Path
 
 from .data import check_source
 from .io import is_rana_dir
-from .io.models import ModelLoadError, resolve
+from .io.models import ModelLoadError, model_config, resolve
 from .errors import UserError
 
 _POSITION_KEYS = ("max_position_embeddings", "n_positions", "max_sequence_length", "seq_length")
@@ -128,16 +128,8 @@ def _probe(folder: Path, option: str, target: Path) -> None:
 def max_positions(reference: str) -> int | None:
     """The longest sequence `reference`'s config allows (None when unknown or unreadable: loading the
     model reports those problems itself)."""
-    from transformers import AutoConfig
-
-    try:
-        local = Path(os.path.expanduser(str(reference)))
-        if (local / "config.json").is_file():
-            config = AutoConfig.from_pretrained(local)
-        else:
-            src = resolve(str(reference))
-            kw = {"gguf_file": src.gguf_file} if src.gguf_file else {}
-            config = AutoConfig.from_pretrained(src.path, **kw)
+    try:  # as the load reads it: an export's stock config, never code shipped in a folder (no prompt)
+        config = model_config(reference)
     except Exception:  # noqa: BLE001 - unreadable here: the load itself says why
         return None
     config = getattr(config, "text_config", None) or config
@@ -181,14 +173,16 @@ def check_available(reference: str) -> None:
 
 
 def check_inputs(*models: str, seq_len: int | None = None, out=None, json_out=None, data=(), data_option="--ppl-data",
-                 offload_dir=None, out_inside: bool = False) -> None:
+                 offload_dir=None, out_inside: bool = False, data_tokens: int | None = None,
+                 text_column: str | None = None) -> None:
     """Everything a command can check before loading a model: the models exist, the window fits their
-    position table, data files are readable text, and the outputs can be written."""
+    position table, data files are readable text (as far as a read of `data_tokens` tokens reaches; None:
+    whole, as the read), and the outputs can be written."""
     for ref in models:
         if not is_rana_dir(ref):
             check_available(ref)
     for source in data:
-        check_source(source, data_option)
+        check_source(source, data_option, tokens=data_tokens, text_column=text_column)
     for ref in models:
         if seq_len is not None:
             check_seq_len(ref, seq_len)

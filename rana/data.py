@@ -7,7 +7,9 @@ same stream and `seq_len` always give the same windows.
 
 Reading is bounded by what is asked for, not by the size of the source: `load_texts(max_chars=…)`
 and `read_tokens(limit=…)` read text files in chunks and JSON / Parquet files and hub datasets
-through `datasets` streaming, and stop once they have enough; only an unbounded read loads all.
+through `datasets` streaming, and stop once they have enough; the up-front `check_source(tokens=…)`
+checks only what a read of that budget reaches. Local JSON / Parquet files are always streamed, so
+nothing is ever copied into the `datasets` cache; only an unbounded read of a hub dataset loads it whole.
 """
 from __future__ import annotations
 
@@ -35,6 +37,13 @@ _BUILDERS: dict[str, str] = {
     ".json": "json",
     ".parquet": "parquet",
 }
+
+# characters of text read first for a budget of tokens: ~16 per token is generous for any tokenizer
+CHARS_PER_TOKEN = 16
+# `datasets` parses a JSON Lines file in blocks of this many bytes (its default), or, when a budget is
+# known, of about what the budget needs: a small budget never parses megabytes of a large file
+_JSON_BLOCK_MAX = 10 << 20
+_JSON_BLOCK_MIN = 64 << 10
 
 
 class DataError(UserError):
@@ -81,7 +90,7 @@ def load_texts(
     Parquet files and hub datasets through `datasets` streaming).
     """
     origin, docs = open_documents(source, config=config, split=split, text_column=text_column,
-                                  stream=max_chars is not None, keep_empty=keep_empty)
+                                  stream=max_chars is not None, keep_empty=keep_empty, max_chars=max_chars)
     texts = _take_chars(docs, max_chars)
     if not any(t.strip() for t in texts):
         raise DataError(f"no text found in {origin} (column {text_column!r}); pass a source with non-empty text")
@@ -89,15 +98,19 @@ def load_texts(
 
 
 def open_documents(source: str | Path | None, *, config: str | None = None, split: str = "train",
-                   text_column: str = "text", stream: bool = True, keep_empty: bool = False):
+                   text_column: str = "text", stream: bool = True, keep_empty: bool = False,
+                   max_chars: int | None = None):
     """(origin, documents): the name messages give the source, and an iterator over the documents
     `load_texts` keeps, read lazily: a text file is a `TextFile`, a row a `str`. A missing path or an
-    unsupported file fails here; a bad file or hub failure when its documents are reached."""
+    unsupported file fails here; a bad file or hub failure when its documents are reached. Local files
+    are always read lazily; `stream`: a hub dataset is too. `max_chars`: about how much will be taken
+    (None: everything), which sizes the blocks a JSON file is parsed in."""
     if source is None:
         source = BUNDLED_CORPUS
+    refuse_empty(source)
     path = Path(os.path.expanduser(str(source)))
     if path.exists():
-        origin, docs = str(path), _local_documents(path, text_column, stream)
+        origin, docs = str(path), _local_documents(path, text_column, _json_block(max_chars))
     elif _looks_local(str(source)):
         raise DataError(f"data file not found: {source}; pass an existing .txt/.raw/.jsonl/.json/.parquet file or folder")
     else:
@@ -130,12 +143,39 @@ def _take_chars(docs: Iterable, max_chars: int | None) -> list[str]:
     return out
 
 
-def check_source(source: str | Path | None, option: str = "--dataset") -> None:
-    """Up-front check of a local data source (exists, supported files, text files are UTF-8, JSON /
-    Parquet files parse), so a bad file is reported before a model is loaded; hub names are checked
-    when they are loaded."""
+def refuse_empty(source: str | Path, option: str | None = None) -> None:
+    """An empty path is the current folder to `Path` (`Path('') == Path('.')`): reading every text file
+    under it is never what was meant, so the empty string (or only blanks) names no source."""
+    if not str(source).strip():
+        raise DataError(f"{option + ' is' if option else 'the data source is'} an empty path, which would read every "
+                        "text file under the current folder: pass a data file, a folder or a hub dataset name")
+
+
+def chars_for_tokens(tokens: int) -> int:
+    """The characters the readers take first for a budget of `tokens` tokens (`CHARS_PER_TOKEN` each,
+    and a margin for a small budget)."""
+    return CHARS_PER_TOKEN * tokens + 1024
+
+
+def _json_block(max_chars: int | None) -> int | None:
+    """Bytes per block `datasets` parses a JSON Lines file in: about what `max_chars` characters take
+    (up to 4 bytes each in UTF-8; None: everything is wanted, `datasets`' own block size)."""
+    if max_chars is None:
+        return None
+    return min(_JSON_BLOCK_MAX, max(_JSON_BLOCK_MIN, 4 * max_chars))
+
+
+def check_source(source: str | Path | None, option: str = "--dataset", *, tokens: int | None = None,
+                 text_column: str | None = None) -> None:
+    """Up-front check of a local data source, so a bad file is reported before a model is loaded: it
+    exists and holds supported files, and the part a read of `tokens` tokens reaches (about
+    `chars_for_tokens(tokens)` characters; None: all of it) is UTF-8 text, or JSON / Parquet rows
+    (with the column `text_column`, when given). Bounded like the read itself: files are streamed,
+    never parsed whole nor copied into a cache, and the check stops where the budget ends. Hub names
+    are checked when they are loaded."""
     if source is None:
         return
+    refuse_empty(source, option)
     name = str(source).split(":")[0] if not Path(os.path.expanduser(str(source))).exists() else str(source)
     path = Path(os.path.expanduser(name))
     if not path.exists():
@@ -143,12 +183,47 @@ def check_source(source: str | Path | None, option: str = "--dataset") -> None:
             raise DataError(f"{option}: data file not found: {source}; pass an existing .txt/.raw/.jsonl/.json/.parquet "
                             "file or folder")
         return
+    left = None if tokens is None else chars_for_tokens(tokens)
     for builder, files in _data_files(path).items():
-        if builder == "text":
-            for f in files:
-                check_utf8_text(Path(f))
-        else:  # parsed once here; `datasets` caches the result for the real load
-            _read_files(builder, files)
+        for f in files:
+            if left is not None and left <= 0:
+                return
+            left = (_check_text_file(Path(f), left) if builder == "text"
+                    else _check_rows(builder, f, text_column, left))
+
+
+def _check_text_file(path: Path, left: int | None, chunk: int = 1 << 20) -> int | None:
+    """`check_utf8_text` of the first `left` characters of `path` (None: all of it); the characters left."""
+    if left is None:
+        check_utf8_text(path, chunk)
+        return None
+    reader = Utf8Reader(path)
+    while left > 0:
+        text = reader.read(min(chunk, left))  # bytes: at most as many characters
+        if text is None:
+            break
+        left -= len(text)
+    return left
+
+
+def _check_rows(builder: str, file: str, column: str | None, left: int | None) -> int | None:
+    """Stream the rows of one JSON / Parquet file until `left` characters of text are seen (None: every
+    row): they parse, and hold `column` when one is named (else every string counts as text). The
+    characters left."""
+    ds = _streamed(builder, file, _json_block(left))
+    blocks = _stream_blocks(ds, lambda exc: _unreadable(builder, file, exc))
+    if column is not None and ds.column_names is not None and column not in ds.column_names:
+        raise _no_column(column, f"{file} ({builder} files)", ds.column_names)
+    for block in blocks:
+        if column is not None and column not in block:
+            raise _no_column(column, f"{file} ({builder} files)", list(block))
+        values = block[column] if column is not None else [v for col in block.values() for v in col]
+        seen = sum(len(v) for v in values if isinstance(v, str))
+        if left is not None:
+            left -= seen
+            if left <= 0:
+                break
+    return left
 
 
 def _looks_local(source: str) -> bool:
@@ -171,10 +246,11 @@ def _data_files(path: Path) -> dict[str, list[str]]:
     return groups
 
 
-def _local_documents(path: Path, text_column: str, stream: bool) -> Iterator:
+def _local_documents(path: Path, text_column: str, json_block: int | None) -> Iterator:
     """The documents of a local file or folder (`_data_files` runs at once, so an unsupported file
     fails before anything is read): text files as lazily read `TextFile`s; JSON / Parquet rows
-    through `datasets`, file by file and streamed when only a prefix is wanted."""
+    streamed by `datasets` file by file (`json_block`: bytes per parsed block, None: its default), so
+    nothing is read past what is taken, and nothing is copied into the `datasets` cache."""
     groups = _data_files(path)
 
     def documents():
@@ -182,11 +258,9 @@ def _local_documents(path: Path, text_column: str, stream: bool) -> Iterator:
             origin = f"{path} ({builder} files)"
             if builder == "text":
                 yield from (TextFile(Path(f)) for f in files)
-            elif stream:
-                for f in files:
-                    yield from _streamed_rows(builder, f, text_column, origin)
             else:
-                yield from _column(_read_files(builder, files), text_column, origin)
+                for f in files:
+                    yield from _streamed_rows(builder, f, text_column, origin, json_block)
     return documents()
 
 
@@ -228,49 +302,32 @@ _FORMAT_HINT = {"text": "a UTF-8 text file", "json": "JSON Lines: one JSON objec
                 "parquet": "a Parquet file (written by pandas / pyarrow)"}
 
 
-def _read_files(builder: str, files: list[str]):
-    import datasets
-
-    kwargs = {"sample_by": "document"} if builder == "text" else {}
-    with _quiet_datasets():  # a bad file is reported once, by the DataError below, not by datasets' logger too
-        try:
-            return datasets.load_dataset(builder, data_files=files, split="train", **kwargs)
-        except Exception as exc:  # noqa: BLE001 - datasets/pyarrow raise many unrelated types for a bad file
-            culprit = files[0]
-            if len(files) > 1:  # find the file that fails on its own (only on this error path)
-                for f in files:
-                    try:
-                        datasets.load_dataset(builder, data_files=[f], split="train", **kwargs)
-                    except Exception:  # noqa: BLE001
-                        culprit = f
-                        break
-            raise _unreadable(builder, culprit, exc) from None
-
-
 def _unreadable(builder: str, culprit: str, exc: BaseException) -> DataError:
     return DataError(f"could not read '{culprit}' as {_FORMAT_HINT[builder]}: {root_cause(exc)}; fix or remove the file")
 
 
-def _streamed_rows(builder: str, file: str, column: str, origin: str) -> Iterator:
-    """The `column` values of one JSON / Parquet file, read by `datasets` streaming (no cache, no
-    whole-file table); a read error names the file."""
+def _streamed(builder: str, file: str, json_block: int | None = None):
+    """One JSON / Parquet file as a `datasets` streaming dataset (no cache, no whole-file table; a JSON
+    file parsed `json_block` bytes at a time when given); a file that cannot be opened names itself."""
     import datasets
 
+    kwargs = {"chunksize": json_block} if builder == "json" and json_block is not None else {}
     with _quiet_datasets():
         try:
-            ds = datasets.load_dataset(builder, data_files=[file], split="train", streaming=True)
+            return datasets.load_dataset(builder, data_files=[file], split="train", streaming=True, **kwargs)
         except Exception as exc:  # noqa: BLE001 - datasets/pyarrow raise many unrelated types for a bad file
             raise _unreadable(builder, file, exc) from None
+
+
+def _streamed_rows(builder: str, file: str, column: str, origin: str, json_block: int | None = None) -> Iterator:
+    """The `column` values of one JSON / Parquet file, streamed (`_streamed`); a read error names the file."""
+    ds = _streamed(builder, file, json_block)
     return _stream_column(ds, column, origin, lambda exc: _unreadable(builder, file, exc))
 
 
-def _stream_column(ds, column: str, origin: str, failure: Callable[[BaseException], DataError],
-                   batch: int = 256) -> Iterator:
-    """One column of a streamed dataset, `batch` rows per read; `failure(exc)` is the DataError a read
-    error becomes. The column is checked as soon as the columns are known (for JSON: its first rows)."""
-    names = ds.column_names
-    if names is not None and column not in names:
-        raise _no_column(column, origin, names)
+def _stream_blocks(ds, failure: Callable[[BaseException], DataError], batch: int = 256) -> Iterator[dict]:
+    """The rows of a streamed dataset, `batch` at a time as {column: values}; `failure(exc)` is the
+    DataError a read error becomes."""
     rows = iter(ds.iter(batch_size=batch))
     while True:
         with _quiet_datasets():  # datasets logs a bad JSON file itself; the DataError says it once
@@ -280,6 +337,17 @@ def _stream_column(ds, column: str, origin: str, failure: Callable[[BaseExceptio
                 raise failure(exc) from None
         if block is None:
             return
+        yield block
+
+
+def _stream_column(ds, column: str, origin: str, failure: Callable[[BaseException], DataError],
+                   batch: int = 256) -> Iterator:
+    """One column of a streamed dataset, `batch` rows per read (`_stream_blocks`). The column is checked
+    as soon as the columns are known (for JSON: its first rows)."""
+    names = ds.column_names
+    if names is not None and column not in names:
+        raise _no_column(column, origin, names)
+    for block in _stream_blocks(ds, failure, batch):
         if column not in block:
             raise _no_column(column, origin, list(block))
         yield from block[column]
@@ -424,7 +492,8 @@ def read_tokens(source: str | Path | None, tokenizer, *, limit: int | None, conf
     when the source has fewer), reading and tokenising the source only as far as that takes."""
     if limit is None:
         return tokenize_stream(load_texts(source, config=config, split=split, text_column=text_column), tokenizer)
-    origin, docs = open_documents(source, config=config, split=split, text_column=text_column)
+    origin, docs = open_documents(source, config=config, split=split, text_column=text_column,
+                                  max_chars=chars_for_tokens(limit))
     stream = _TokenStream(tokenizer, limit)
     batch: list[str] = []
     for doc in docs:

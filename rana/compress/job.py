@@ -25,7 +25,8 @@ class CompressJob:
 
 def preflight(config: CompressConfig, on_note: Callable[[str], None] | None = None) -> CompressJob:
     """Check `config` and everything it names (the output folder when it has one, the work folder, the
-    model, the data), in this order, then decide its resources: one `UserError` for the first problem.
+    model, the data as far as the calibration budget reads it), in this order, then decide its resources:
+    one `UserError` for the first problem.
     `on_note`: called with advice that stops nothing (a '.' in the folder's name)."""
     out = Path(config.out) if config.out is not None else None
     refuse_existing_out(out, config.overwrite)
@@ -38,9 +39,10 @@ def preflight(config: CompressConfig, on_note: Callable[[str], None] | None = No
     check_work_dir(work_dir, inputs, "--offload-dir", outputs=[out] if out is not None else [])
     if out is not None and "." in out.name and on_note is not None:
         on_note(f"'{out.name}' contains a '.', which breaks `rana export` remote-code loading; prefer names without dots")
-    resolve(config.model, dense=True)  # an unknown model (or a rana folder) fails here
+    resolve(config.model, dense=True)  # an unknown model (or a compressed one: a rana folder, an export) fails here
+    # the calibration text as far as `calib_tokens` reads it, not the whole file (it may be 100 MB)
     check_inputs(config.model, seq_len=config.seq_len, out=out, data=[config.dataset], data_option="--dataset",
-                 offload_dir=work_dir)
+                 data_tokens=config.calib_tokens, text_column=config.text_column, offload_dir=work_dir)
     run_config = setup_distributed(config)
     return CompressJob(config=config, run_config=run_config, resources=decide_resources(run_config))
 

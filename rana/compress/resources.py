@@ -49,7 +49,7 @@ def decide_resources(config) -> Resources:
     if not (config.max_memory or config.offload_dir) or resolve(config.model, dense=True).gguf_file:
         return resources
     folder = checkpoint_folder(config.model)
-    model_config = AutoConfig.from_pretrained(folder)
+    model_config = AutoConfig.from_pretrained(folder, trust_remote_code=False)
     get_arch(model_config)
     size = sum(f.stat().st_size for f in folder.glob("*.safetensors"))
     stream = streams(resources, size)

@@ -129,7 +129,7 @@ def load_lazy(reference: str | Path, *, dtype: str = "float32",
     from accelerate import init_empty_weights  # optional dependency: streaming only
 
     folder = checkpoint_folder(str(reference))
-    config = AutoConfig.from_pretrained(folder)
+    config = AutoConfig.from_pretrained(folder, trust_remote_code=False)  # rana runs no code from a model folder
     spec = get_arch(config)
     with init_empty_weights(include_buffers=False):
         model = AutoModelForCausalLM.from_config(config, dtype=DTYPES[dtype])
@@ -150,7 +150,7 @@ def load_lazy(reference: str | Path, *, dtype: str = "float32",
     model.eval()
     tokenizer = None
     if with_tokenizer and any((folder / f).exists() for f in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")):
-        tokenizer = AutoTokenizer.from_pretrained(folder)
+        tokenizer = AutoTokenizer.from_pretrained(folder, trust_remote_code=False)
     return model, tokenizer, weights
 
 

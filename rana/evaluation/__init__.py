@@ -59,7 +59,8 @@ def preflight(config: EvalConfig) -> None:
     ppl_data = list(config.ppl_data)
     window = config.protocol.window
     # every model, file and output is checked before the first model loads
-    check_inputs(*refs, *dense, seq_len=window if ppl_data else None, json_out=config.json_out, data=ppl_data)
+    check_inputs(*refs, *dense, seq_len=window if ppl_data else None, json_out=config.json_out, data=ppl_data,
+                 data_tokens=config.eval_tokens, text_column=config.text_column)
     tasks = config.task_list
     if tasks:
         check_tasks(tasks, include_path=config.include_path,

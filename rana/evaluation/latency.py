@@ -11,6 +11,10 @@ Three harnesses (`LATENCY_MODES`), dense and compressed models always timed the 
   one-token step called in a bare loop: the model's own decode time, without `generate`'s overhead.
 
 A fourth, "serve" (`serving.py`), times both models out of process, as clients of `transformers serve`.
+
+A run that cannot finish is refused before it starts (`check_decode_fits`): the prompt and the new tokens
+must fit the model's positions (`max_position_embeddings`), or generation would run past its position
+table (or size a static cache by it) for as long as it takes.
 """
 from __future__ import annotations
 
@@ -22,6 +26,7 @@ from typing import Any
 import torch
 from transformers import CompileConfig, GenerationConfig
 
+from ..checks import _POSITION_KEYS
 from ..errors import UserError
 from ..kernels.cpu_gemv import native_status
 from ..kernels.triton_gemv import triton_available
@@ -40,6 +45,45 @@ def _prompt_ids(tokenizer_or_ids, prompt: str) -> torch.Tensor:
     else:
         ids = tokenizer_or_ids(prompt, return_tensors="pt")["input_ids"]
     return ids.reshape(1, -1).long()
+
+
+def model_positions(config) -> int | None:
+    """The longest sequence a model config allows (its text config's, for a multimodal one); None when it
+    names none."""
+    config = getattr(config, "text_config", None) or config
+    for key in _POSITION_KEYS:
+        value = getattr(config, key, None)
+        if isinstance(value, int) and not isinstance(value, bool) and value > 0:
+            return value
+    return None
+
+
+def prompt_length(tokenizer_or_ids, prompts: Sequence[str]) -> int:
+    """Tokens of the longest prompt as the harnesses tokenise it (`_prompt_ids`: special tokens included),
+    or of the prompt ids given instead of a tokenizer."""
+    return max(_prompt_ids(tokenizer_or_ids, p).shape[1] for p in prompts)
+
+
+def check_decode_fits(config, prompt_tokens: int, new_tokens: int, name: str = "the model") -> None:
+    """Refuse a decode that cannot finish: `prompt_tokens` + `new_tokens` positions past what `config`
+    (a model config) allows. Unknown positions: nothing is refused."""
+    limit = model_positions(config)
+    if limit is None or prompt_tokens + new_tokens <= limit:
+        return
+    most = limit - prompt_tokens
+    fix = (f"pass --latency-tokens {most} or less" if most >= 1 else "its prompt alone fills them")
+    raise UserError(f"--latency-tokens {new_tokens} cannot finish on {name}: a {prompt_tokens}-token prompt and "
+                    f"{new_tokens} new tokens need {prompt_tokens + new_tokens} positions, and it has {limit} "
+                    f"(max_position_embeddings); {fix}")
+
+
+def check_prompts_fit(models: Sequence[torch.nn.Module | None], tokenizer_or_ids, prompts: Sequence[str],
+                      new_tokens: int, name: str = "the model") -> None:
+    """`check_decode_fits` of every model in `models` (None: skipped) for the longest of `prompts`."""
+    length = prompt_length(tokenizer_or_ids, prompts)
+    for m in models:
+        if m is not None:
+            check_decode_fits(getattr(m, "config", None), length, new_tokens, name)
 
 
 def _sync(device: torch.device) -> None:
@@ -170,6 +214,8 @@ def _measure(models: Sequence[torch.nn.Module], ids: torch.Tensor, new_tokens: i
         raise UserError(f"latency mode must be one of {LATENCY_MODES}, got {mode!r}")
     if repeats < 1:
         raise UserError(f"latency repeats must be at least 1, got {repeats}")
+    for m in models:
+        check_decode_fits(getattr(m, "config", None), ids.shape[1], new_tokens)
     warm = max(warmup, 1 if mode in COMPILED_MODES else 0)
     full: list[list[float]] = [[] for _ in models]
     prefill: list[list[float]] = [[] for _ in models]

@@ -21,13 +21,13 @@ from ..accounting import measured_macs, metering
 from ..data import DataError
 from ..errors import UserError
 from ..io import is_rana_dir
-from ..io.models import LoadedModel, load_model, open_model
+from ..io.models import LoadedModel, load_model, model_config, open_model
 from ..units import Progress
 from . import diagnostics
 from .config import EvalConfig, check_request, check_serve_available
 from .harness import lm_eval_tasks
-from .latency import measure_latency
-from .serving import SERVE_MODE, Exporter, serve_latency
+from .latency import DEFAULT_PROMPT, check_decode_fits, check_prompts_fit, measure_latency
+from .serving import SERVE_MODE, SERVE_PROMPTS, Exporter, serve_latency
 from .perplexity import (PplProtocol, combine_flops, eval_tokens, labelled_sources, perplexity, ppl_preset,
                          protocol_tokens, summarize_flops, window_starts)
 from .perplexity import ppl_protocol as describe_protocol
@@ -90,6 +90,10 @@ def evaluate_model(model: nn.Module, tokenizer, config: EvalConfig | None = None
     """
     config = EvalConfig.merged(config, settings)
     protocol = config.protocol
+    if config.latency:  # a decode that cannot finish is refused before anything is measured
+        check_prompts_fit([model, dense_model], tokenizer,
+                          SERVE_PROMPTS if config.latency_mode == SERVE_MODE else [DEFAULT_PROMPT],
+                          config.latency_tokens, f"'{name}'" if name else "the model")
     result: dict[str, Any] = {"name": name, "seq_len": protocol.window, "max_tokens_per_text": config.eval_tokens,
                               "ppl_protocol": protocol.name}
     if plan:
@@ -174,6 +178,18 @@ def check_serving(refs: Sequence[str], export: Exporter | None) -> None:
                         "export=rana.export.export")
 
 
+def check_latency_positions(refs: Sequence[str], new_tokens: int) -> None:
+    """Before any weights load: refuse `new_tokens` latency tokens that no prompt leaves room for in a
+    model's positions (its config read alone; the exact prompt is checked once the tokenizer is loaded,
+    in `evaluate_model`). A config that cannot be read here is left to the load to report."""
+    for ref in refs:
+        try:
+            config = model_config(ref)
+        except Exception:  # noqa: BLE001 - unreadable here: opening the model says why, in one line
+            continue
+        check_decode_fits(config, 1, new_tokens, f"'{ref}'")  # a prompt holds at least one token
+
+
 def evaluate_models(refs: Sequence[str | Path], config: EvalConfig | None = None, *, progress: Progress | None = None,
                     log: Callable[[str], None] | None = None, export: Exporter | None = None, **settings) -> dict:
     """Evaluate every model in `refs` (rana folders or dense references) the same way, as `config` asks
@@ -200,6 +216,8 @@ def evaluate_models(refs: Sequence[str | Path], config: EvalConfig | None = None
     refs = [str(r) for r in refs]
     if config.latency and config.latency_mode == SERVE_MODE:  # before any model loads
         check_serving(refs, export)
+    if config.latency:
+        check_latency_positions(refs + ([config.dense] if config.dense else []), config.latency_tokens)
     dense_for = _DenseModels(config, log or (lambda msg: None))
     rows = []
     for i, ref in enumerate(refs):

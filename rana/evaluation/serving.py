@@ -16,6 +16,10 @@ Reported medians: `tokens_per_s` = new_tokens / seconds, `decode_tokens_per_s` =
 decode_seconds; `latency_ratio` = compressed / dense time per token (< 1 is faster), as the in-process
 harnesses (`latency.py`) report it. A tokenizer that holds a token back until the next one completes
 a character delays the first text by that token; the byte-level BPE tokenizers of real models rarely do.
+
+What cannot finish never starts (a prompt and `new_tokens` past the models' positions: `check_prompts_fit`),
+and a server that dies mid-run (killed, crashed, its connection dropped) ends the run in one `ServeError`
+line saying how it ended; the server and its temporary folder are gone either way.
 """
 from __future__ import annotations
 
@@ -43,7 +47,7 @@ from ..io.models import clear_gguf_quantizer
 from ..kernels.cpu_gemv import native_status
 from ..units import Progress
 from .common import model_device
-from .latency import DEFAULT_PROMPT
+from .latency import DEFAULT_PROMPT, check_prompts_fit
 
 SERVE_MODE = "serve"
 # what the served models complete, in turn (prose, code, a story opening): each round sends every one
@@ -65,8 +69,10 @@ DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float
 Exporter = Callable[[Path, Path], Any]
 
 
-class ServeError(RuntimeError):
-    """The server could not start, or a request failed or came back short."""
+class ServeError(UserError, RuntimeError):
+    """The server could not start, died, or a request failed or came back short. Its first line says which
+    (a command prints it as its one error line), the server's log tail follows. Still a RuntimeError, as
+    it was before it was a `UserError`."""
 
 
 def serve_unavailable() -> str | None:
@@ -122,7 +128,8 @@ class Server:
             self.stop()
             if "address already in use" not in self.log_tail().lower():
                 break
-        raise ServeError(f"transformers serve did not start (log {self.log_path}):\n{self.log_tail()}")
+        raise ServeError(f"transformers serve did not start: {self._last_log_line()}\n"
+                         f"{self.log_tail()}")
 
     def _wait_ready(self, timeout: float) -> bool:
         deadline = time.monotonic() + timeout
@@ -144,6 +151,29 @@ class Server:
             return self.log_path.read_text(errors="replace")[-chars:]
         except OSError:
             return ""
+
+    def _last_log_line(self) -> str:
+        """The server log's last non-empty line (its log lives in a folder that is removed afterwards)."""
+        lines = [line.strip() for line in self.log_tail().splitlines() if line.strip()]
+        return lines[-1] if lines else f"nothing in its log ({self.log_path})"
+
+    def _state(self) -> str:
+        """How the server process ended (" was killed by signal 9", " exited with code 1"), waiting a
+        moment for a process that is going; "" while it runs."""
+        proc = self.proc
+        if proc is None:
+            return ""
+        try:
+            code = proc.wait(timeout=2)
+        except subprocess.TimeoutExpired:
+            return ""
+        return f" was killed by signal {-code}" if code < 0 else f" exited with code {code}"
+
+    def _failed(self, model: str, what: str) -> ServeError:
+        """The error of a request to `model` that got no complete answer: the server died (how), or `what`."""
+        state = self._state()
+        cause = f"transformers serve{state} while serving {model}" if state else f"{model}: {what}"
+        return ServeError(f"{cause}; no latency was measured (server log: {self._last_log_line()})\n{self.log_tail()}")
 
     def stop(self) -> None:
         """Stop the server's process group (SIGTERM, then SIGKILL after 20 s); nothing else is signalled."""
@@ -191,10 +221,14 @@ class Server:
                 text.append(piece)
                 if chunk.get("usage"):
                     usage, t_end = chunk["usage"], now
+        except ServeError:
+            raise
+        except (OSError, http.client.HTTPException, ValueError) as e:  # ValueError: a chunk cut short (JSON, UTF-8)
+            raise self._failed(model, f"the request failed ({type(e).__name__}: {e})") from None
         finally:
             conn.close()
         if usage is None or t_end is None:
-            raise ServeError(f"{model}: the stream ended without its final chunk (usage)\n{self.log_tail()}")
+            raise self._failed(model, "the stream ended without its final chunk (usage)")
         t_first = t_end if t_first is None else t_first
         return {"seconds": t_end - t0, "ttft_seconds": t_first - t0, "decode_seconds": t_end - t_first,
                 "completion_tokens": int(usage["completion_tokens"]), "prompt_tokens": int(usage["prompt_tokens"]),
@@ -334,6 +368,7 @@ def serve_latency(model: torch.nn.Module, tokenizer, dense_model: torch.nn.Modul
     prompts = list(prompts)
     if not prompts:
         raise UserError("the serve latency mode needs at least one prompt")
+    check_prompts_fit([model, dense_model], tokenizer, prompts, new_tokens)  # what cannot finish never starts
     device = model_device(model)
     dtype = DTYPE_NAMES.get(next(model.parameters()).dtype, "auto")
     threads = torch.get_num_threads() if device.type == "cpu" else None

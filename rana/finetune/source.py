@@ -78,9 +78,9 @@ def probe_tokenizer(source: Source, config: FinetuneConfig):
         tok = load_tokenizer(config.tokenizer)
     if source.kind == "rana":
         path = Path(source.path)
-        vocab = getattr(AutoConfig.from_pretrained(path), "vocab_size", None)
+        vocab = getattr(AutoConfig.from_pretrained(path, trust_remote_code=False), "vocab_size", None)
         if tok is None and (path / "tokenizer_config.json").exists():
-            tok = AutoTokenizer.from_pretrained(path)
+            tok = AutoTokenizer.from_pretrained(path, trust_remote_code=False)
     elif tok is None:
         needs_text = not all(str(s).endswith((".pt", ".npy")) for s in (config.data, config.eval_data) if s is not None) \
             or config.data is None

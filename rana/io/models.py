@@ -1,8 +1,15 @@
-"""How models enter rana: `open(reference)` opens any reference (a rana folder, an alias, a hub id, a
-local folder, a .gguf file) as one `LoadedModel` (model, tokenizer, plan, provenance). `resolve` finds a
-reference's files without loading them. `load_model` (dense models, as (model, tokenizer, source)) and
-`open_model` are the older shapes of `open`; `rana.load` (`rana.io.folder.load`) is the short form for a rana
-folder: (model, its own tokenizer)."""
+"""How models enter rana: `open(reference)` opens any reference (a rana folder, a `rana export` folder,
+an alias, a hub id, a local folder, a .gguf file) as one `LoadedModel` (model, tokenizer, plan,
+provenance). `resolve` finds a reference's files without loading them. `load_model` (dense models, as
+(model, tokenizer, source)) and `open_model` are the older shapes of `open`; `rana.load`
+(`rana.io.folder.load`) is the short form for a rana folder: (model, its own tokenizer).
+
+rana runs no code from a model folder or repository: every transformers call here passes
+`trust_remote_code=False` (transformers would otherwise ask on the terminal, or fail where nobody can
+answer). An export in either format loads through rana's own quantizer (`rana.quantizer`): a
+remote-code export's config.json is read as the quantizer format records it (`stock_config`), so the
+code shipped in it never runs. A compressed model (a rana folder or an export) where a dense one is
+needed is refused before anything loads (`refuse_compressed`)."""
 from __future__ import annotations
 
 import importlib.util
@@ -16,11 +23,13 @@ import torch
 import torch.nn as nn
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
+from ..errors import UserError
 from ..units import DTYPES
 from .aliases import ALIASES
 from .folder import is_rana_dir, read_meta, read_plan
 from .folder import load as load_folder
 from .format import PLAN, RANA_CONFIG, ModelLoadError
+from .jsonfile import JsonFileError, read_json
 from .packaged import SPLIT_GGUFS, assembled
 from .paths import local_inputs
 from .weightfiles import check_safetensors_folder
@@ -65,14 +74,9 @@ def resolve(reference: str, *, dense: bool = False) -> ModelSource:
     if p.exists():
         if not p.is_dir() or not (p / "config.json").is_file():
             raise ModelLoadError(f"'{ref}' is not a model folder (no config.json inside)")
-        try:
-            if not isinstance(json.loads((p / "config.json").read_text(encoding="utf-8")), dict):
-                raise ValueError("not a JSON object")
-        except (OSError, UnicodeDecodeError, ValueError) as e:
-            raise ModelLoadError(f"'{p / 'config.json'}' is unreadable ({str(e).splitlines()[0]}); "
-                                 "restore it or re-save the model") from None
+        config = config_dict(p)
         if dense:
-            refuse_rana_folder(p)
+            refuse_compressed(p, config)
         return ModelSource(str(p.resolve()), None, label=reference)
     if ref.count("/") != 1 or ref.startswith((".", "/")):
         raise ModelLoadError(
@@ -81,19 +85,119 @@ def resolve(reference: str, *, dense: bool = False) -> ModelSource:
     return ModelSource(ref, None, label=reference)
 
 
-def refuse_rana_folder(folder: Path) -> None:
-    """A rana folder where a dense model is expected: say so (transformers would silently give its
-    adapter weights up and initialise the stock projections at random)."""
-    if not (folder / RANA_CONFIG).is_file():
-        return
+def config_dict(folder: Path) -> dict:
+    """A model folder's config.json as a dict, read with a size and depth bound (`read_json`); one line
+    when it is unreadable or not a JSON object."""
+    file = Path(folder) / "config.json"
+    try:
+        config = read_json(file, "it")
+    except JsonFileError as e:
+        raise ModelLoadError(f"'{file}' is unreadable ({e}); restore it or re-save the model") from None
+    if not isinstance(config, dict):
+        raise ModelLoadError(f"'{file}' is unreadable (not a JSON object); restore it or re-save the model")
+    return config
+
+
+def export_format(config: dict) -> str | None:
+    """The `rana export` format a config.json (a dict) was written in: "quantizer" (quant_method "rana"),
+    "remote-code" (a `rana_<type>` model type or rana_adapters), or None for any other model."""
+    qc = config.get("quantization_config")
+    if isinstance(qc, dict) and qc.get("quant_method") == "rana":
+        return "quantizer"
+    if str(config.get("model_type") or "").startswith("rana_") or "rana_adapters" in config:
+        return "remote-code"
+    return None
+
+
+def local_export(reference: str | Path) -> str | None:
+    """`export_format` of a local folder's config.json (None: not a local model folder, or no export)."""
+    folder = Path(os.path.expanduser(str(reference)))
+    if not (folder / "config.json").is_file() or is_rana_dir(folder):
+        return None
+    return export_format(config_dict(folder))
+
+
+def refuse_compressed(folder: Path, config: dict | None = None) -> None:
+    """A compressed model where a dense one is expected (compressing it again, a dense reference): a rana
+    folder (transformers would silently give its adapter weights up and initialise the stock projections
+    at random) or a `rana export` folder (its projections are adapters, with no dense weight to read).
+    One line saying what it is, where it came from and what to pass instead."""
+    if (folder / RANA_CONFIG).is_file():
+        what, goes = "a rana folder", "rana folders go to `rana eval`, `rana finetune` and `rana export`"
+    else:
+        fmt = export_format(config if config is not None else config_dict(folder))
+        if fmt is None:
+            return
+        what, goes = f"a `rana export` folder ({fmt} format)", _EXPORTS_GO
     origin = ""
     try:
         model = dense_reference(json.loads((folder / PLAN).read_text()), {})
         origin = f" (it was compressed from '{model}')" if model else ""
     except Exception:  # noqa: BLE001 - the hint is optional
         pass
-    raise ModelLoadError(f"'{folder}' is a rana folder (a compressed model), not a dense model{origin}: pass the dense "
-                         "model here; rana folders go to `rana eval`, `rana finetune` and `rana export`")
+    raise _not_dense(str(folder), what, goes, origin)
+
+
+def _not_dense(reference: str, what: str, goes: str, origin: str = "") -> ModelLoadError:
+    return ModelLoadError(f"'{reference}' is {what}, a compressed model, not a dense model{origin}: pass the dense "
+                          f"model here; {goes}")
+
+
+_EXPORTS_GO = "exports go to `rana eval` and plain transformers; to compress again, start from the dense model"
+
+
+def stock_config(folder: Path, config: dict | None = None):
+    """The transformers config rana loads an export of `folder` with: the stock model type and class,
+    the adapters in quantization_config (quant_method "rana", read by `rana.quantizer`). A remote-code
+    export's config.json (model type `rana_<type>`, class `Rana<Class>`, rana_adapters, auto_map) is
+    turned into that, so rana never needs the code shipped in the folder."""
+    from transformers import CONFIG_MAPPING
+
+    from ..quantizer import quantization_config_dict, register
+
+    register()  # quant_method "rana" known here even with RANA_NO_HF_HOOK=1
+    config = dict(config if config is not None else config_dict(folder))
+    if export_format(config) == "remote-code":
+        record = {"adapters": config.get("rana_adapters"), "laurel": config.get("rana_laurel"),
+                  "format_version": config.get("rana_format_version"), "weights": config.get("rana_weights"),
+                  "int8": config.get("rana_int8")}
+        stock = {k: v for k, v in config.items() if not k.startswith("rana_") and k != "auto_map"}
+        stock["model_type"] = str(config.get("model_type") or "").removeprefix("rana_")
+        stock["architectures"] = [str(a).removeprefix("Rana") for a in config.get("architectures") or []]
+        stock["quantization_config"] = quantization_config_dict(record, config.get("rana_version"))
+        config = stock
+    model_type = config.get("model_type")
+    if model_type not in CONFIG_MAPPING:
+        raise ModelLoadError(f"'{folder}' is a rana export of model type '{model_type}', which this transformers "
+                             "does not know: upgrade transformers, or load the rana folder it was exported from")
+    return CONFIG_MAPPING[model_type].from_dict({k: v for k, v in config.items() if k != "model_type"})
+
+
+def model_config(reference: str | Path):
+    """The transformers config of any reference, read as `open` reads it and without its weights: a rana
+    folder's config.json, an export's `stock_config`, a dense model's (a .gguf file's header); no code
+    from the folder runs. Raises what the load would (the caller may leave the reporting to the load)."""
+    from transformers import AutoConfig
+
+    folder = Path(os.path.expanduser(str(reference)))
+    if is_rana_dir(folder):
+        return AutoConfig.from_pretrained(folder, trust_remote_code=False)
+    if local_export(folder):
+        return stock_config(folder)
+    src = resolve(str(reference))
+    kw = {"gguf_file": src.gguf_file} if src.gguf_file else {}
+    return AutoConfig.from_pretrained(src.path, trust_remote_code=False, **kw)
+
+
+def remote_code_refused(reference: str, exc: BaseException) -> ModelLoadError | None:
+    """The one line for transformers' refusal of a model that needs code shipped with it
+    (`trust_remote_code=False`, which rana always passes: transformers' ValueError names the flag), or
+    None for any other error."""
+    if not isinstance(exc, ValueError) or isinstance(exc, UserError) or "trust_remote_code" not in str(exc):
+        return None
+    return ModelLoadError(f"'{reference}' needs the code shipped with it to load (trust_remote_code), and rana runs "
+                          "no code from a model folder or repository: pass a model transformers knows, or a rana "
+                          "folder / rana export folder")
 
 
 def check_weight_files(folder: Path) -> None:
@@ -124,11 +228,13 @@ def check_loading_info(reference: str, info: dict) -> None:
                              f"{'; '.join(parts)}; it is incomplete or from another model: re-download or re-save it")
 
 
-def _load_dense(reference: str, *, dtype: str = "float32", device: str = "cpu", require_tokenizer: bool = True):
+def _load_dense(reference: str, *, dtype: str = "float32", device: str = "cpu", require_tokenizer: bool = True,
+                dense: bool = True):
     """(model, tokenizer, source) for a dense reference; the model in eval mode on `device`.
 
     `require_tokenizer=False`: a checkpoint without tokenizer files loads with tokenizer None
-    (fine-tuning on pre-tokenised data needs none)."""
+    (fine-tuning on pre-tokenised data needs none). `dense`: a compressed model from the hub (a
+    quantizer-format export, which only shows once its config is read) is refused."""
     if dtype not in DTYPES:
         raise ModelLoadError(f"unknown dtype '{dtype}' (choose from {', '.join(DTYPES)})")
     src = resolve(reference, dense=True)
@@ -137,21 +243,28 @@ def _load_dense(reference: str, *, dtype: str = "float32", device: str = "cpu", 
         check_weight_files(Path(src.path))
     try:
         try:
-            tokenizer = AutoTokenizer.from_pretrained(src.path, **kw)
+            tokenizer = AutoTokenizer.from_pretrained(src.path, trust_remote_code=False, **kw)
         except Exception:  # noqa: BLE001 - no tokenizer files
             if require_tokenizer:
                 raise
             tokenizer = None
-        model, info = AutoModelForCausalLM.from_pretrained(src.path, dtype=DTYPES[dtype], output_loading_info=True, **kw)
+        model, info = AutoModelForCausalLM.from_pretrained(src.path, dtype=DTYPES[dtype], output_loading_info=True,
+                                                           trust_remote_code=False, **kw)
     except OSError as e:
         offline = os.environ.get("HF_HUB_OFFLINE") == "1"
         hint = " (HF_HUB_OFFLINE=1 is set: only local files and cached models can load)" if offline else ""
         raise ModelLoadError(f"could not load '{reference}': {str(e).splitlines()[0]}{hint}") from None
     except Exception as e:  # safetensors' own error type for unreadable files fetched from the hub
+        refused = remote_code_refused(reference, e)
+        if refused is not None:
+            raise refused from None
         if type(e).__name__ != "SafetensorError":
             raise
         raise ModelLoadError(f"could not load '{reference}': its weights are unreadable ({str(e).splitlines()[0]}); "
                              "re-download or re-save the model") from None
+    fmt = export_format(model.config.to_dict())
+    if dense and fmt:  # an export from the hub: a local one was refused by `resolve`, before loading
+        raise _not_dense(reference, f"a `rana export` ({fmt} format)", _EXPORTS_GO)
     check_loading_info(reference, info)
     clear_gguf_quantizer(model)
     if src.gguf_file and DTYPES[dtype] != torch.float32:
@@ -174,10 +287,18 @@ def model_inputs(reference: str | None) -> list[Path]:
 
 
 def load_tokenizer(reference: str):
-    """The tokenizer of a model reference (alias, hub id, folder or .gguf file)."""
+    """The tokenizer of a model reference (alias, hub id, folder, export folder or .gguf file)."""
     src = resolve(reference)
     kw = {"gguf_file": src.gguf_file} if src.gguf_file else {}
-    return AutoTokenizer.from_pretrained(src.path, **kw)
+    if not src.gguf_file and local_export(src.path):  # its config read as rana reads it, not by auto_map's code
+        kw["config"] = stock_config(Path(src.path))
+    try:
+        return AutoTokenizer.from_pretrained(src.path, trust_remote_code=False, **kw)
+    except ValueError as e:
+        refused = remote_code_refused(reference, e)
+        if refused is None:
+            raise
+        raise refused from None
 
 
 def dense_reference(plan: dict | None, meta: dict | None) -> str | None:
@@ -234,13 +355,40 @@ def open(reference: str | Path, *, dtype: str | None = None, device: str = "cpu"
     if not dense and is_rana_dir(reference):
         model, tok = load_folder(reference, device=device, dtype=DTYPES[dtype] if dtype is not None else None)
         plan, meta = read_plan(reference), read_meta(Path(reference))
-        dense_ref = dense_reference(plan, meta)
-        if tok is None and (tokenizer or dense_ref):
-            tok = load_tokenizer(tokenizer or dense_ref)
-        return LoadedModel(model, tok, plan, Provenance("rana", reference, dense_ref, meta))
-    model, tok, src = _load_dense(reference, dtype=dtype or "float32", device=device,
-                                  require_tokenizer=require_tokenizer)
-    return LoadedModel(model, tok, None, Provenance("dense", reference, reference, {}, src))
+    elif not dense and local_export(reference):
+        model, tok, meta = _load_export(Path(os.path.expanduser(reference)), dtype=dtype, device=device)
+        plan = read_plan(Path(os.path.expanduser(reference)))
+    else:
+        model, tok, src = _load_dense(reference, dtype=dtype or "float32", device=device,
+                                      require_tokenizer=require_tokenizer, dense=dense)
+        return LoadedModel(model, tok, None, Provenance("dense", reference, reference, {}, src))
+    dense_ref = dense_reference(plan, meta)
+    if tok is None and (tokenizer or dense_ref):
+        tok = load_tokenizer(tokenizer or dense_ref)
+    return LoadedModel(model, tok, plan, Provenance("rana", reference, dense_ref, meta))
+
+
+def _load_export(folder: Path, *, dtype: str | None, device: str):
+    """(model, tokenizer or None, its adapter record) of a `rana export` folder, in either format, through
+    rana's quantizer (`stock_config`): the stock class with the adapters swapped in before the weights load,
+    as `rana.load` rebuilds a rana folder; nothing shipped in the folder runs. `dtype` None: the saved one."""
+    config = stock_config(folder)
+    try:
+        tokenizer = (AutoTokenizer.from_pretrained(folder, config=config, trust_remote_code=False)
+                     if (folder / "tokenizer_config.json").is_file() else None)
+        model, info = AutoModelForCausalLM.from_pretrained(
+            folder, config=config, dtype=DTYPES[dtype] if dtype is not None else "auto", trust_remote_code=False,
+            output_loading_info=True)
+    except ValueError as e:
+        refused = remote_code_refused(str(folder), e)
+        if refused is None:
+            raise
+        raise refused from None
+    except OSError as e:
+        raise ModelLoadError(f"could not load the export '{folder}': {str(e).splitlines()[0]}") from None
+    check_loading_info(str(folder), info)
+    model.eval()
+    return model.to(device), tokenizer, dict(config.quantization_config)
 
 
 # ---------------------------------------------------------------------------- the older shapes of `open`
@@ -253,6 +401,7 @@ def load_model(reference: str, *, dtype: str = "float32", device: str = "cpu", r
 open_model = open  # the name `open` had before it was the one way
 
 
-__all__ = ["ALIASES", "ModelLoadError", "ModelSource", "resolve", "refuse_rana_folder", "check_weight_files",
+__all__ = ["ALIASES", "ModelLoadError", "ModelSource", "resolve", "refuse_compressed",
+           "config_dict", "export_format", "local_export", "stock_config", "model_config", "remote_code_refused", "check_weight_files",
            "clear_gguf_quantizer", "check_loading_info", "load_model", "model_inputs", "load_tokenizer",
            "dense_reference", "Provenance", "LoadedModel", "open_model"]  # not `open`: a star import would shadow the builtin

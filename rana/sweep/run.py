@@ -201,7 +201,7 @@ def preflight(config: SweepConfig) -> None:
                  resumable=(SWEEP_KIND,))
     check_inputs(config.model, seq_len=max(config.seq_len, config.eval_protocol().window), out=config.out,
                  out_inside=True, data=list(config.ppl_data))
-    check_source(config.dataset, "--dataset")
+    check_source(config.dataset, "--dataset", tokens=config.calib_tokens, text_column=config.text_column)
 
 
 def run_sweep(config: SweepConfig, *, progress: Progress | None = None, log: Log | None = None,
