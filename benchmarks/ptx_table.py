@@ -1,9 +1,10 @@
-"""What the compiler makes of the masked-GEMV kernels on an H100, without an H100.
+"""What the compiler makes of the masked-GEMV kernels on an sm_90 GPU (H100, H200), without one.
 
-For every kernel specialization the compiled decode path can launch on an H100 (the shipped tuning
-table's configs, else the heuristic's, for the launches of Llama-2-7B- and Llama-3-8B-shaped layers
-in bf16 / fp16 / fp32), it regenerates the kernel's source the way inductor does under
-torch.compile, compiles that source with Triton for ``GPUTarget("cuda", 90, 32)`` and reads the PTX:
+For every kernel specialization the compiled decode path can launch (for the launches of Llama-2-7B-
+and Llama-3-8B-shaped layers in bf16 / fp16 / fp32: the heuristic's configs on a 132-SM GPU, and the
+configs of EVERY GPU in the shipped tuning table, each entry at least once), it regenerates the
+kernel's source the way inductor does under torch.compile, compiles that source with Triton for
+``GPUTarget("cuda", 90, 32)`` and reads the PTX:
 
 * barriers (``bar.sync``) inside the K loop: a reduction or a shared-memory stage there costs a
   round trip per step and makes the loop latency-bound;
@@ -20,6 +21,7 @@ No GPU is needed. Writes benchmarks/results/ptx_sm90.md + .json.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import re
@@ -35,10 +37,14 @@ import torch  # noqa: E402
 from rana.kernels import gemv_tune  # noqa: E402
 from rana.kernels import triton_gemv as tg  # noqa: E402
 
-H100 = ("NVIDIA H100 80GB HBM3", 132)  # the table's GPU name and SM count of the machine we measure on
+# SMs of the GPUs we measure on (H100 and H200 alike): the heuristic's configs, and the splits the table's
+# entries are re-derived into for exact shapes
+SMS = 132
+HEURISTIC = "(no table entry: the heuristic)"  # the config source of a GPU the table does not name
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 _TRITON_TYPES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}
-_INT_ARGS_16 = ("K0", "K1", "K2", "N0", "N1", "N2", "SW0", "SW1", "SW2", "KC0", "KC1", "KC2", "n_total", "N")
+_INT_ARGS_16 = ("K0", "K1", "K2", "N0", "N1", "N2", "SW0", "SW1", "SW2", "KC0", "KC1", "KC2", "n_total", "N",
+                "K", "stride_e", "stride_w", "stride_v")  # the last four: the expert kernel's
 
 
 # --------------------------------------------------------------------------------------------
@@ -69,20 +75,27 @@ def regenerated_kernel(kernel):
     return fn
 
 
+def _arg_type(kernel_name: str, name: str, ty: str) -> str:
+    """The Triton type of one argument as the launcher passes it, activations of type `ty`."""
+    if re.fullmatch(r"t\d|t_ptr|ws_ptr|q\d", name):  # thresholds, the split-K workspace, int8 weights' scales
+        return "*fp32"
+    if name == "idx_ptr":  # the expert kernel's expert indices
+        return "*i64"
+    if re.fullmatch(r"w\d", name) and kernel_name.endswith("_int8"):
+        return "*i8"
+    if re.fullmatch(r"[wvsb]\d|\w+_ptr", name):
+        return "*" + ty
+    return "i32"
+
+
 def signature(kernel, dtype: torch.dtype, constexprs: dict) -> tuple[dict, dict]:
-    """(signature, attrs) of a launch: tensors of `dtype` (thresholds and workspace fp32), 32-bit ints,
-    pointers and sizes 16-divisible as the launcher specializes them for aligned tensors."""
+    """(signature, attrs) of a launch: tensors of `dtype` (thresholds, workspace and int8 scales fp32, int8
+    weights for the int8 kernel, int64 expert indices), 32-bit ints, pointers and sizes 16-divisible as the
+    launcher specializes them for aligned tensors."""
     ty = _TRITON_TYPES[dtype]
     sig, attrs = {}, {}
     for i, name in enumerate(kernel.arg_names):
-        if name in constexprs:
-            sig[name] = "constexpr"
-        elif re.fullmatch(r"t\d|ws_ptr", name):  # thresholds and the split-K workspace
-            sig[name] = "*fp32"
-        elif re.fullmatch(r"[wvsb]\d|\w+_ptr", name):
-            sig[name] = "*" + ty
-        else:
-            sig[name] = "i32"
+        sig[name] = "constexpr" if name in constexprs else _arg_type(kernel.__name__, name, ty)
         if sig[name].startswith("*") or name in _INT_ARGS_16:
             attrs[(i,)] = [["tt.divisibility", 16]]
     return sig, attrs
@@ -188,35 +201,149 @@ def ptxas_resources(ptx: str) -> dict:
 # --------------------------------------------------------------------------------------------
 # the variants the compiled path can take
 # --------------------------------------------------------------------------------------------
-def _config_on_h100(ks, ns, dtype, sbin) -> tg.GemvConfig:
-    entry = tg.read_table().get("gpus", {}).get(H100[0], {}).get(tg.table_key(ks, ns, dtype, sbin))
-    if entry:
-        return tg.GemvConfig(*entry)
-    return tg.heuristic_config(ks, ns, dtype, torch.device("cuda"), sms=H100[1])
+def table_gpus(table: dict | None = None) -> dict:
+    """{GPU name: {table key: [BLOCK_N, BLOCK_K, SPLIT, warps]}} of `table` (None: the shipped one)."""
+    table = tg.read_table() if table is None else table
+    return {gpu: entries for gpu, entries in table.get("gpus", {}).items() if isinstance(entries, dict)}
 
 
-def variants() -> list[dict]:
-    """Distinct (kernel, dtype, constexprs, num_warps) over the decode launches of both model shapes."""
-    seen, out = set(), []
+@contextlib.contextmanager
+def on_gpu(name: str, entries: dict):
+    """triton_gemv.choose_config as it runs on a 132-SM GPU called `name` whose table entries are `entries`
+    (yields that GPU as torch.device("cuda", 0)): the configs checked are the ones the launcher would pick,
+    through its own code. Its per-device caches and table are restored afterwards."""
+    saved = dict(tg._SM_COUNT), dict(tg._GPU_NAME), tg._CONFIG_TABLE.get("table")
+    tg._SM_COUNT[0], tg._GPU_NAME[0] = SMS, name
+    tg.set_config_table({"gpus": {name: entries}})
+    try:
+        yield torch.device("cuda", 0)
+    finally:
+        for cache, before in ((tg._SM_COUNT, saved[0]), (tg._GPU_NAME, saved[1])):
+            cache.clear()
+            cache.update(before)
+        tg.set_config_table(None if saved[2] is None else {"gpus": saved[2]})
+
+
+def config_sources(table: dict | None = None) -> dict:
+    """Every GPU's table entries, plus a GPU the table does not name (every launch takes the heuristic)."""
+    return {HEURISTIC: {}, **table_gpus(table)}
+
+
+def _masked_variants(out, seen, kernel, dname, problem_name, ks, cfg, bias_flags, mode_id):
+    """The masked kernel's specialization for one launch with `cfg`, and its reduce launch when it splits."""
+    chunks = [-(-(-(-k // cfg.split)) // cfg.block_k) * cfg.block_k for k in ks]
+    split = max(-(-k // c) for k, c in zip(ks, chunks))  # as triton_gemv._launch slices the inputs
+    flags = list(bias_flags) + [False] * (3 - len(bias_flags))
+    const = dict(G=len(ks), MODE=mode_id, B0=flags[0], B1=flags[1], B2=flags[2], WORKSPACE=split > 1,
+                 BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k)
+    _add(out, seen, kernel, dname, const, cfg.num_warps, problem_name)
+    if split > 1:
+        _add(out, seen, "rana_gemv_reduce", dname, dict(SPLIT=split, BLOCK=tg._REDUCE_BLOCK), 4, problem_name)
+
+
+def _model_launches():
+    """(dtype name, dtype, problem, sparsity bin) of every masked launch of both model shapes' decode steps."""
     for dname, dtype in DTYPES.items():
         for shape in gemv_tune.MODEL_SHAPES.values():
             for p in gemv_tune.problems(shape):
                 for sbin in (1, 2, 3, 4):
-                    cfg = _config_on_h100(p.ks, p.ns, dtype, sbin)
-                    chunks = [-(-(-(-k // cfg.split)) // cfg.block_k) * cfg.block_k for k in p.ks]
-                    split = max(-(-k // c) for k, c in zip(p.ks, chunks))
-                    for bias in ((False, True) if p.name == "q/k/v" else (False,)):  # qwen2's q/k/v biases
-                        flags = [bias] * len(p.ks) + [False] * (3 - len(p.ks))
-                        const = dict(G=len(p.ks), MODE=tg.MODE_IDS[p.mode], B0=flags[0], B1=flags[1], B2=flags[2],
-                                     WORKSPACE=split > 1, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k)
-                        _add(out, seen, "rana_masked_gemv", dname, const, cfg.num_warps, p.name)
-                    if split > 1:
-                        _add(out, seen, "rana_gemv_reduce", dname, dict(SPLIT=split, BLOCK=tg._REDUCE_BLOCK), 4, p.name)
+                    yield dname, dtype, p, sbin
+
+
+def _launch_variants(out, seen, reached, gpu, entries, weight_dtype=None):
+    """What the model launches take on one GPU; the table keys they reached go into `reached`."""
+    kernel = "rana_masked_gemv_int8" if weight_dtype == torch.int8 else "rana_masked_gemv"
+    suffix = "" if gpu == HEURISTIC else f" on {gpu}"
+    with on_gpu(gpu, entries) as device:
+        for dname, dtype, p, sbin in _model_launches():
+            key = tg.table_key(p.ks, p.ns, dtype, sbin, weight_dtype)
+            cfg = tg.choose_config(p.ks, p.ns, dtype, p.mode, sbin, device, weight_dtype=weight_dtype)
+            if key in entries:
+                reached.add((gpu, key))
+            for bias in ((False, True) if p.name == "q/k/v" else (False,)):  # qwen2's q/k/v biases
+                _masked_variants(out, seen, kernel, dname, p.name + suffix, p.ks, cfg, [bias] * len(p.ks),
+                                 tg.MODE_IDS[p.mode])
+
+
+_KEY = re.compile(r"(?P<dtype>[a-z0-9]+)(?:\.w-(?P<weights>[a-z0-9]+))?\|s\d+\|K(?P<k>\d+)\|N\d+\|G(?P<g>\d)")
+
+
+def _entry_variants(out, seen, gpu, key, entry):
+    """A table entry no model launch reaches (another model's size class): its config in every mask mode,
+    with and without biases, through each store path its split can take."""
+    m = _KEY.fullmatch(key)
+    if m is None or m["dtype"] not in DTYPES or m["weights"] not in (None, "int8"):
+        raise ValueError(f"table entry {key!r} of {gpu}: not a key triton_gemv.table_key makes")
+    kernel = "rana_masked_gemv_int8" if m["weights"] == "int8" else "rana_masked_gemv"
+    block_n, block_k, split, warps = entry
+    g, k = int(m["g"]), int(m["k"])
+    for cfg in {tg.GemvConfig(block_n, block_k, 1, warps), tg.GemvConfig(block_n, block_k, split, warps)}:
+        for mode_id in sorted(tg.MODE_IDS.values()):
+            for bias in (False, True):
+                _masked_variants(out, seen, kernel, m["dtype"], f"{key} on {gpu}", (k,) * g, cfg, [bias] * g,
+                                 mode_id)
+
+
+def variants(table: dict | None = None, seen: set | None = None) -> list[dict]:
+    """Distinct (kernel, dtype, constexprs, num_warps) of the float kernels over the decode launches of both
+    model shapes, for the heuristic and for every GPU of `table` (None: the shipped one), every entry
+    included; and the rank adapters' dense GEMV."""
+    seen, out, reached = set() if seen is None else seen, [], set()
+    sources = config_sources(table)
+    for gpu, entries in sources.items():
+        _launch_variants(out, seen, reached, gpu, entries)
+    for dname, dtype in DTYPES.items():
         block_r, block_k, warps = tg.dense_rows_config(dtype)
         for g in (1, 2, 3):  # the rank adapters' codes: gate/up (2), a lone adapter or three siblings
             _add(out, seen, "rana_dense_gemv", dname, dict(G=g, BLOCK_R=block_r, BLOCK_K=block_k), warps,
                  "rank codes B x")
+    _unreached_entries(out, seen, sources, reached, int8=False)
     return out
+
+
+def int8_variants(table: dict | None = None, seen: set | None = None) -> list[dict]:
+    """The int8-weight kernel's specializations: the model launches with int8 weights (the table's int8 entries
+    of every GPU, else the int8 heuristic), and the dense int8 GEMV (mode "none") of a dense layer."""
+    seen, out, reached = set() if seen is None else seen, [], set()
+    sources = config_sources(table)
+    for gpu, entries in sources.items():
+        _launch_variants(out, seen, reached, gpu, entries, weight_dtype=torch.int8)
+    with on_gpu(HEURISTIC, {}) as device:
+        for dname, dtype in DTYPES.items():
+            cfg = tg.heuristic_config((4096,), (4096,), dtype, device, weight_dtype=torch.int8)
+            _masked_variants(out, seen, "rana_masked_gemv_int8", dname, "dense int8", (4096,), cfg, [False],
+                             tg.MODE_IDS["none"])
+    _unreached_entries(out, seen, sources, reached, int8=True)
+    return out
+
+
+def _unreached_entries(out, seen, sources, reached, int8: bool):
+    for gpu, entries in sources.items():
+        for key, entry in sorted(entries.items()):
+            if (".w-" in key) == int8 and (gpu, key) not in reached:
+                _entry_variants(out, seen, gpu, key, entry)
+
+
+# the expert-indexed kernel of a mixture of experts: Mixtral-8x7B's gate/up and down shapes
+EXPERT_SHAPES = ((4096, 28672), (14336, 4096))
+
+
+def expert_variants(seen: set | None = None) -> list[dict]:
+    """The expert kernel's specializations (it always takes the heuristic's blocks)."""
+    seen, out = set() if seen is None else seen, []
+    with on_gpu(HEURISTIC, {}) as device:
+        for dname, dtype in DTYPES.items():
+            for k, n in EXPERT_SHAPES:
+                cfg = tg.heuristic_config((k,), (n,), dtype, device)
+                _add(out, seen, "rana_expert_masked_gemv", dname, dict(BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k),
+                     cfg.num_warps, f"experts {k}x{n}")
+    return out
+
+
+def all_variants(table: dict | None = None) -> list[dict]:
+    """Every specialization of every kernel the compiled decode path launches (float, int8, experts)."""
+    seen: set = set()
+    return variants(table, seen) + int8_variants(table, seen) + expert_variants(seen)
 
 
 def _add(out, seen, kernel, dname, const, warps, problem):
@@ -235,7 +362,8 @@ def analyse(variant: dict, kernels: dict) -> dict:
 
 def markdown(rows: list[dict], versions: str = "") -> str:
     lines = [f"# Masked-GEMV kernels compiled for sm_90 (PTX read without a GPU{', ' + versions if versions else ''})", "",
-             "Every specialization the compiled decode path can launch on an H100 (shipped table, else heuristic) "
+             "Every specialization the compiled decode path can launch on an sm_90 GPU (the heuristic on 132 SMs, and "
+             "every GPU's entries of the shipped table) "
              "for Llama-2-7B/Llama-3-8B-shaped launches, regenerated the way inductor does and compiled with "
              "Triton for `GPUTarget(\"cuda\", 90, 32)`. Generated by `python benchmarks/ptx_table.py`.", "",
              "| kernel | dtype | G | mode | bias | workspace | BLOCK_N | BLOCK_K / SPLIT | warps | barriers in K loop "

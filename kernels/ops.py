@@ -56,7 +56,7 @@ from .modes import mode_id
 from .torch_gemv import (expert_masked_gemv_dense, expert_masked_gemv_gather, masked_gemv_int8_torch,
                          masked_gemv_torch)
 from .triton_gemv import (expert_masked_gemv_triton, grouped_dense_gemv_triton, grouped_masked_gemv_triton,
-                          kernels_available)
+                          interpreting, kernels_available)
 
 __all__ = ["decode_masked_impl", "expert_masked_gemv_impl", "HAS_TRITON", "OP_NAMES", "ALL_OP_NAMES"]
 
@@ -138,16 +138,22 @@ def _decode_masked_grouped_fake(vs, w_ts, qscales, thresholds, mode, scales, bia
     return vs[0].new_empty((sum(w.shape[1] for w in w_ts),))
 
 
+def _wrap(kernel):
+    """wrap_triton for a compiled kernel; an interpreted one (TRITON_INTERPRET=1) is launched as it is:
+    nothing traces it, and torch 2.11's wrap_triton refuses it (2.13 hands it back unwrapped)."""
+    return kernel if interpreting() else torch.library.wrap_triton(kernel)
+
+
 def _decode_masked_triton_impl(vs: Sequence[torch.Tensor], w_ts: Sequence[torch.Tensor],
                            qscales: Sequence[Optional[torch.Tensor]], thresholds: Sequence[torch.Tensor], mode: str,
                            scales: Sequence[Optional[torch.Tensor]], biases: Sequence[Optional[torch.Tensor]],
                            sparsity_bin: int) -> torch.Tensor:
     return grouped_masked_gemv_triton(list(vs), list(w_ts), list(thresholds), mode, list(scales), list(biases),
-                                      sparsity_bin, wrap=torch.library.wrap_triton, qscales=list(qscales))
+                                      sparsity_bin, wrap=_wrap, qscales=list(qscales))
 
 
 def _dense_gemv_triton_op(vs: Sequence[torch.Tensor], ws: Sequence[torch.Tensor]) -> torch.Tensor:
-    return grouped_dense_gemv_triton(list(vs), list(ws), wrap=torch.library.wrap_triton)
+    return grouped_dense_gemv_triton(list(vs), list(ws), wrap=_wrap)
 
 
 def _expert_masked_gemv_fake(w_t, v, idx, thresholds):
@@ -156,7 +162,7 @@ def _expert_masked_gemv_fake(w_t, v, idx, thresholds):
 
 def _expert_masked_gemv_triton_impl(w_t: torch.Tensor, v: torch.Tensor, idx: torch.Tensor,
                                   thresholds: torch.Tensor) -> torch.Tensor:
-    return expert_masked_gemv_triton(w_t, v, idx, thresholds, wrap=torch.library.wrap_triton)
+    return expert_masked_gemv_triton(w_t, v, idx, thresholds, wrap=_wrap)
 
 
 # name -> (implementation, fake); the triton_ops derive their fakes from the kernels (wrap_triton)

@@ -160,6 +160,9 @@ def test_triton_kernel_under_interpreter(tmp_path):
     assert out.stdout.strip().splitlines()[-1] == "OK 41"
 
 
+@pytest.mark.cuda
+@pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") == "1",
+                    reason="TRITON_INTERPRET=1: the kernels would be interpreted; run with TRITON_INTERPRET=0")
 @pytest.mark.skipif(not (ops.HAS_TRITON and torch.cuda.is_available()), reason="needs CUDA and triton")
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 def test_opcheck_triton_op_cuda(dtype):

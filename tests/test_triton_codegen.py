@@ -4,11 +4,12 @@ Under torch.compile on CUDA, inductor re-emits each user Triton kernel's source 
 module and keeps only the helpers it finds among the kernel's global names; a helper reached any
 other way is missing there and the first compiled decode step fails. Here every shipped kernel is
 regenerated with inductor's own function, executed from a fresh module file and compiled by Triton
-for an sm_90 target, and the PTX of every specialization the compiled path can launch on an H100 is
-read (the int8-weight kernel's too): no barrier inside the K loop, weight loads prefetched a step ahead, no
-spills. Negative
-controls show each check can fail. Runs in a subprocess without TRITON_INTERPRET (the interpreter's
-functions have no PTX). No GPU needed.
+for an sm_90 target, and the PTX of every specialization the compiled path can launch is read (the
+int8-weight and expert kernels' too; the heuristic's configs on a 132-SM GPU such as the H100 and H200,
+and every GPU's entries of the shipped tuning table): no barrier inside the K loop, weight loads
+prefetched a step ahead, no spills. Negative controls show each check can fail. Runs in a subprocess
+without TRITON_INTERPRET (the interpreter's functions have no PTX). No GPU needed. Under torch 2.11 (the
+GPU machine's) inductor's mutation analysis reports the written tensors only, so the read checks need 2.13.
 """
 from __future__ import annotations
 
@@ -40,78 +41,9 @@ SCRIPT = textwrap.dedent(r'''
         out["sources"][k.__name__] = [name for name in ("_kept_rows_dot", "_grouped", "_project", "_active", "_dense_rows")
                                       if f"def {name}(" in src]
         kernels[k.__name__] = pt.regenerated_kernel(k)
-    variants = pt.variants()
-    for v in variants:
+    # every specialization of every kernel: the heuristic's on a 132-SM GPU and every GPU's table entries
+    for v in pt.all_variants():
         out["rows"].append(pt.analyse(v, kernels))
-
-    # the int8-weight kernel: every specialization its launches take on an H100 (table entry under the int8
-    # key, else the int8 heuristic), int8 weights and fp32 scales, inputs in each activation dtype
-    import triton, torch
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
-    from rana.kernels import gemv_tune
-
-    def compile_int8(kernel, dtype, const, warps):
-        sig, attrs = pt.signature(kernel, dtype, const)
-        for i, name in enumerate(kernel.arg_names):
-            if name in ("w0", "w1", "w2"):
-                sig[name] = "*i8"
-            elif name in ("q0", "q1", "q2"):
-                sig[name] = "*fp32"
-                attrs[(i,)] = [["tt.divisibility", 16]]
-        return triton.compile(ASTSource(kernel, sig, const, attrs), target=GPUTarget("cuda", 90, 32),
-                              options={"num_warps": warps})
-
-    seen = {(v["kernel"], v["dtype"], tuple(sorted(v["constexprs"].items())), v["num_warps"]) for v in variants}
-    int8_variants = []
-    for dname, dtype in pt.DTYPES.items():
-        for shape in gemv_tune.MODEL_SHAPES.values():
-            for p in gemv_tune.problems(shape):
-                for sbin in (1, 2, 3, 4):
-                    key = tg.table_key(p.ks, p.ns, dtype, sbin, torch.int8)
-                    entry = tg.read_table().get("gpus", {}).get(pt.H100[0], {}).get(key)
-                    cfg = tg.GemvConfig(*entry) if entry else tg.heuristic_config(
-                        p.ks, p.ns, dtype, torch.device("cuda"), sms=pt.H100[1], weight_dtype=torch.int8)
-                    chunks = [-(-(-(-k // cfg.split)) // cfg.block_k) * cfg.block_k for k in p.ks]
-                    split = max(-(-k // c) for k, c in zip(p.ks, chunks))
-                    for bias in ((False, True) if p.name == "q/k/v" else (False,)):
-                        flags = [bias] * len(p.ks) + [False] * (3 - len(p.ks))
-                        const = dict(G=len(p.ks), MODE=tg.MODE_IDS[p.mode], B0=flags[0], B1=flags[1], B2=flags[2],
-                                     WORKSPACE=split > 1, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k)
-                        pt._add(int8_variants, seen, "rana_masked_gemv_int8", dname, const, cfg.num_warps, p.name)
-                    if split > 1:
-                        pt._add(int8_variants, seen, "rana_gemv_reduce", dname,
-                                dict(SPLIT=split, BLOCK=tg._REDUCE_BLOCK), 4, p.name)
-        # the dense int8 GEMV (mode "none") of a dense layer at batch 1
-        cfg = tg.heuristic_config((4096,), (4096,), dtype, torch.device("cuda"), sms=pt.H100[1],
-                                  weight_dtype=torch.int8)
-        const = dict(G=1, MODE=0, B0=False, B1=False, B2=False, WORKSPACE=cfg.split > 1, BLOCK_N=cfg.block_n,
-                     BLOCK_K=cfg.block_k)
-        pt._add(int8_variants, seen, "rana_masked_gemv_int8", dname, const, cfg.num_warps, "dense int8")
-    for v in int8_variants:
-        if v["kernel"] == "rana_gemv_reduce":
-            out["rows"].append(pt.analyse(v, kernels))
-            continue
-        ptx = compile_int8(kernels[v["kernel"]], pt.DTYPES[v["dtype"]], v["constexprs"], v["num_warps"]).asm["ptx"]
-        out["rows"].append({**v, **pt.ptx_stats(ptx), **pt.ptxas_resources(ptx)})
-
-    # the expert-indexed kernel of a mixture of experts (Mixtral-8x7B's gate/up and down shapes): expert
-    # indices int64, thresholds fp32, strides 16-divisible as the launcher specializes them
-    for dname, dtype in pt.DTYPES.items():
-        for K, N in ((4096, 28672), (14336, 4096)):
-            cfg = tg.heuristic_config((K,), (N,), dtype, torch.device("cuda"), sms=pt.H100[1])
-            const = dict(BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k)
-            kernel = kernels["rana_expert_masked_gemv"]
-            sig, attrs = pt.signature(kernel, dtype, const)
-            sig["idx_ptr"], sig["t_ptr"] = "*i64", "*fp32"
-            for i, name in enumerate(kernel.arg_names):
-                if name in ("K", "N", "stride_e", "stride_w", "stride_v"):
-                    attrs[(i,)] = [["tt.divisibility", 16]]
-            ptx = triton.compile(ASTSource(kernel, sig, const, attrs), target=GPUTarget("cuda", 90, 32),
-                                 options={"num_warps": cfg.num_warps}).asm["ptx"]
-            out["rows"].append({"kernel": "rana_expert_masked_gemv", "dtype": dname, "constexprs": const,
-                                "num_warps": cfg.num_warps, "first_seen_in": f"experts {K}x{N}",
-                                **pt.ptx_stats(ptx), **pt.ptxas_resources(ptx)})
 
     # negative controls: a helper reached through a closure, and a reduction inside the loop
     path = sys.argv[2]
@@ -131,7 +63,7 @@ SCRIPT = textwrap.dedent(r'''
     # inductor's mutation analysis (what it would clone or treat as mutated), for an sm_90 target
     import torch, triton
     from triton.backends.compiler import GPUTarget
-    from torch._higher_order_ops.triton_kernel_wrap import identify_accessed_tensors
+    from torch._higher_order_ops import triton_kernel_wrap as tkw
 
     class Sm90Driver:  # the only thing the analysis asks the driver
         def get_current_target(self):
@@ -145,8 +77,13 @@ SCRIPT = textwrap.dedent(r'''
                  KC0=64, KC1=64, KC2=64, n_total=192, MODE=3, B0=True, B1=False, B2=False, BLOCK_N=64, BLOCK_K=64)
     tensors = {f"{p}{g}": x for g in range(3) for p, x in (("w", w), ("v", v), ("t", t), ("s", v), ("b", y))}
     def accesses(kernel, args):
-        rw = identify_accessed_tensors(kernel, args, {}).read_writes
-        return sorted(d.name for d in rw.reads), sorted(d.name for d in rw.writes)
+        """[reads, writes]: reads None where this torch's analysis reports the writes only."""
+        if hasattr(tkw, "identify_accessed_tensors"):  # torch 2.13: reads and writes
+            rw = tkw.identify_accessed_tensors(kernel, args, {}).read_writes
+            return sorted(d.name for d in rw.reads), sorted(d.name for d in rw.writes)
+        # torch 2.11 (the GPU machine's): the written tensors only. Both fall back to "every tensor argument"
+        # when the analysis fails, which the write checks catch.
+        return None, sorted(tkw.identify_mutated_tensors(kernel, args, {}))
     i8, qs = torch.empty(128, 192, dtype=torch.int8), torch.empty(192, dtype=f32)
     int8_tensors = dict(tensors, w0=i8, w1=i8, w2=i8, q0=qs, q1=qs, q2=qs)
     out["accesses"] = {
@@ -161,6 +98,7 @@ SCRIPT = textwrap.dedent(r'''
                                                    K0=128, K1=128, K2=128, N0=96, N1=96, N2=0, SW0=128, SW1=128,
                                                    SW2=128, NB0=12, NB1=12, G=2, BLOCK_R=8, BLOCK_K=512)),
     }
+    out["reads_known"] = hasattr(tkw, "identify_accessed_tensors")
     print("RESULT " + json.dumps(out))
 ''')
 
@@ -246,7 +184,7 @@ def test_k_loop_streams(compiled):
     for r in compiled["rows"]:
         if r["kernel"] == "rana_gemv_reduce":
             continue
-        where = f"{r['dtype']} {r['constexprs']}"
+        where = f"{r['first_seen_in']}: {r['kernel']} {r['dtype']} {r['constexprs']} {r['num_warps']} warps"
         assert r["loops"] >= 1 and r["barriers_in_loop"] == 0, where
         assert r["weight_loads_in_loop"] > 0 and r["prefetched"], where
         assert r["weight_load_width"] == "v4", where  # 16-byte loads
@@ -306,13 +244,60 @@ def test_int8_weights_have_their_own_table_keys_and_heuristic(compiled_path_conf
 def test_heuristic_fills_the_gpu_and_skips_the_split_when_outputs_do(compiled_path_configs):
     import torch
 
-    cuda, sms = torch.device("cuda"), 132  # an H100
+    cuda, sms = torch.device("cuda"), 132  # an H100 or H200
     for ks, ns in (((4096,), (4096,)), ((14336,), (4096,)), ((4096,) * 3, (4096, 1024, 1024)),
                    ((4096,) * 2, (14336, 14336)), ((4096,), (128256,))):
         cfg = tg.heuristic_config(ks, ns, torch.bfloat16, cuda, sms=sms)
         blocks = sum(-(-n // cfg.block_n) for n in ns)
         assert blocks * cfg.split >= 2 * sms  # at least two programs per SM
         assert (cfg.split == 1) == (blocks >= tg.FILLED * sms)  # no reduce launch once the outputs fill it
+
+
+@pytest.fixture
+def ptx_table(compiled_path_configs, monkeypatch):
+    """benchmarks/ptx_table.py, imported in this process (the import drops TRITON_INTERPRET, which
+    compiled_path_configs has set to 0 and puts back)."""
+    monkeypatch.syspath_prepend(str(REPO / "benchmarks"))
+    import ptx_table
+
+    return ptx_table
+
+
+def test_every_gpus_table_entries_are_compiled(ptx_table):
+    """The PTX checks cover the configs of every GPU in the table, not one GPU's: an entry a model launch reaches
+    (with the split re-derived as the launcher does), an entry of another size class (every mode, both store
+    paths) and an int8 entry; the heuristic's configs stay checked beside them."""
+    import torch
+
+    from rana.kernels import gemv_tune
+
+    qkv = gemv_tune.problems(gemv_tune.MODEL_SHAPES["llama-3-8b"])[0]
+    reached = tg.table_key(qkv.ks, qkv.ns, torch.bfloat16, 2)
+    elsewhere = "float16|s3|K181|N724|G2"  # no model launch of either shape falls in this size class
+    int8 = tg.table_key(qkv.ks, qkv.ns, torch.float16, 1, torch.int8)
+    table = {"gpus": {"NVIDIA H200": {reached: [128, 32, 3, 8], elsewhere: [16, 32, 2, 4]},
+                      "NVIDIA H100 80GB HBM3": {reached: [32, 64, 1, 8], int8: [128, 64, 2, 8]}}}
+    rows = ptx_table.all_variants(table)
+
+    def launches(kernel, dtype, g, blocks):
+        return [r for r in rows if (r["kernel"], r["dtype"], r["constexprs"].get("G")) == (kernel, dtype, g)
+                and (r["constexprs"]["BLOCK_N"], r["constexprs"]["BLOCK_K"], r["num_warps"]) == blocks]
+
+    h200 = launches("rana_masked_gemv", "bfloat16", 3, (128, 32, 8))
+    assert h200 and {r["constexprs"]["WORKSPACE"] for r in h200} == {True}  # the tuned split survives for 4096
+    assert {r["constexprs"]["B0"] for r in h200} == {False, True}  # q/k/v with and without biases
+    assert launches("rana_masked_gemv", "bfloat16", 3, (32, 64, 8))  # the H100's entry for the same key
+    other = launches("rana_masked_gemv", "float16", 2, (16, 32, 4))
+    assert {r["constexprs"]["MODE"] for r in other} == set(tg.MODE_IDS.values())
+    assert {r["constexprs"]["WORKSPACE"] for r in other} == {True, False}
+    assert launches("rana_masked_gemv_int8", "float16", 3, (128, 64, 8))
+    heuristic = tg.heuristic_config(qkv.ks, qkv.ns, torch.bfloat16, torch.device("cuda"), sms=ptx_table.SMS)
+    assert launches("rana_masked_gemv", "bfloat16", 3, (heuristic.block_n, heuristic.block_k, heuristic.num_warps))
+    # the shipped table's entries go the same way (all_variants() reads it); a key triton_gemv never makes is
+    # an error, not an entry left unchecked
+    assert ptx_table.table_gpus() == tg.read_table()["gpus"]
+    with pytest.raises(ValueError, match="not a key"):
+        ptx_table.all_variants({"gpus": {"NVIDIA H200": {"bfloat16|K4096": [64, 64, 1, 4]}}})
 
 
 def test_exports_inline_the_table():
@@ -331,10 +316,13 @@ def test_inductor_sees_exactly_what_each_kernel_writes(compiled):
     """Inductor's mutation analysis of each kernel (falling back, it would treat every input as written and
     clone the weights on every step): only the output, or the workspace of a split launch, is written."""
     acc = compiled["accesses"]
-    assert acc["gemv_direct"][1] == ["out_ptr"] and acc["gemv_workspace"][1] == ["ws_ptr"]
-    assert "out_ptr" not in acc["gemv_workspace"][1] and not {"w0", "w1", "w2"} & set(acc["gemv_direct"][1])
-    assert {"w0", "w1", "w2", "v0", "t0", "b0"} <= set(acc["gemv_direct"][0])
-    assert acc["reduce"] == (["ws_ptr"], ["y_ptr"]) or acc["reduce"] == [["ws_ptr"], ["y_ptr"]]
-    assert acc["dense"][1] == ["out_ptr"] and {"w0", "w1", "v0", "v1"} <= set(acc["dense"][0])
-    assert acc["int8_direct"][1] == ["out_ptr"] and acc["int8_workspace"][1] == ["ws_ptr"]
-    assert {"w0", "w1", "w2", "q0", "q1", "q2", "v0", "t0", "b0"} <= set(acc["int8_direct"][0])
+    writes = {name: a[1] for name, a in acc.items()}
+    assert writes == {"gemv_direct": ["out_ptr"], "gemv_workspace": ["ws_ptr"], "int8_direct": ["out_ptr"],
+                      "int8_workspace": ["ws_ptr"], "reduce": ["y_ptr"], "dense": ["out_ptr"]}
+    if compiled["reads_known"]:  # torch 2.13's identify_accessed_tensors; 2.11's analysis reports writes only
+        assert {"w0", "w1", "w2", "v0", "t0", "b0"} <= set(acc["gemv_direct"][0])
+        assert acc["reduce"][0] == ["ws_ptr"]
+        assert {"w0", "w1", "v0", "v1"} <= set(acc["dense"][0])
+        assert {"w0", "w1", "w2", "q0", "q1", "q2", "v0", "t0", "b0"} <= set(acc["int8_direct"][0])
+    else:
+        assert all(a[0] is None for a in acc.values())
