@@ -1,7 +1,8 @@
 """The remote code an export ships, rendered from rana's own sources and checked.
 
 What ships (`SHIPPED_MODULES`) is derived, not listed: the modules of the registered adapter kinds
-(rana.modules.registry) and the rana.modules files the template imports (``rebuild.py``, ``groups.py``),
+(rana.modules.registry) and the rana files the template imports (``rebuild.py``, ``groups.py``, and
+``loadchecks.py``: the schema and tensor checks rana.load and rana's quantizer run, from rana.io),
 plus everything they import of rana (the masked-GEMV kernels, LAuReL, ...), so a new adapter module
 ships by registering. They are copied flat with their imports of one another rewritten to flat
 relative imports (``from ..kernels.route import`` → ``from .route import``, ``from
@@ -39,6 +40,9 @@ _IMPORT_ALIASES = {"rana.archs": ARCHSPEC_MODULE, "rana.archs.base": ARCHSPEC_MO
 _ALLOWED_TOP_LEVEL = {"torch", "transformers", "__future__"} | set(sys.stdlib_module_names)
 # the template sits beside the shipped copies of rana.modules: `from .rebuild import` is rana.modules.rebuild's
 _TEMPLATE_PACKAGE = "rana.modules"
+# what the template imports from elsewhere in rana: the checks every loader runs (rana.load and the quantizer
+# import the same module), so an export checks its record and weights with rana's source, not a rewrite of it
+_TEMPLATE_MODULES = {"loadchecks": "rana.io.loadchecks"}
 
 
 class ExportError(RuntimeError):
@@ -66,10 +70,11 @@ def _rana_imports(module_name: str, source: str) -> list[str]:
 
 
 def _template_imports() -> list[str]:
-    """The rana modules the modeling template imports (its relative imports, but the rendered files)."""
+    """The rana modules the modeling template imports (its relative imports, but the rendered files): those of
+    rana.modules by their name, the others as `_TEMPLATE_MODULES` names them."""
     rendered = {ARCHSPEC_MODULE, CONFIG_FILE.removesuffix(".py")}
     tree = ast.parse((TEMPLATE_DIR / MODELING_FILE).read_text(encoding="utf-8"))
-    return [f"{_TEMPLATE_PACKAGE}.{node.module}" for node in ast.walk(tree)
+    return [_TEMPLATE_MODULES.get(node.module, f"{_TEMPLATE_PACKAGE}.{node.module}") for node in ast.walk(tree)
             if isinstance(node, ast.ImportFrom) and node.level == 1 and node.module not in rendered]
 
 

@@ -7,7 +7,6 @@ recorded shapes and loads the weights, so no compression code runs at load time 
 from __future__ import annotations
 
 import json
-import math
 import os
 import shutil
 import tempfile
@@ -24,14 +23,15 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
 from ..archs import ArchSpec, get_arch
 from ..errors import UserError
-from ..modules.rebuild import failed_stage, finish_rana, install_rana
-from ..modules.registry import ADAPTER_KINDS
+from ..modules.rebuild import finish_rana
+from . import loadchecks
 from .card import write_folder_card
 from .format import (FORMAT_VERSION, PLAN, RANA_CONFIG, WEIGHTS, WEIGHTS_INDEX, ModelLoadError, adapter_specs,
-                     threshold_from_json, tied_keys, weights_meta, write_json)
+                     tied_keys, weights_meta, write_json)
+from .jsonfile import read_json
 from .paths import OutputExistsError, apply_umask, check_output, remove_stale_temps, temp_prefix, write_manifest
 from .schema import PLAN_SCHEMA, RANA_CONFIG_SCHEMA, FieldError, validate
-from .weightfiles import check_safetensors_folder
+from .weightfiles import check_safetensors_folder, weight_files
 
 
 @contextmanager
@@ -112,12 +112,8 @@ def save(model: nn.Module, tokenizer, out: Path, *, plan: dict | None = None, ex
     return out
 
 
-def _load_weights(path: Path) -> dict[str, torch.Tensor]:
-    """One `model.safetensors`, or the shards named by `model.safetensors.index.json` (each file's
-    index entry and header checked first: nothing outside the folder, nothing truncated)."""
-    files = check_safetensors_folder(path, error=ModelLoadError)
-    if not files:
-        raise ModelLoadError(f"'{path}' has no {WEIGHTS} (nor {WEIGHTS_INDEX}); the rana folder is incomplete")
+def _load_weights(files: list[Path]) -> dict[str, torch.Tensor]:
+    """The tensors of a folder's safetensors `files` (their headers checked already)."""
     state = {}
     for f in files:
         try:
@@ -129,16 +125,14 @@ def _load_weights(path: Path) -> dict[str, torch.Tensor]:
 
 
 def _read_json(file: Path, schema, fix: str):
-    """A folder's JSON file checked against `schema` (rana.io.schema); one line naming the file and
-    the field otherwise. `fix`: what the user can do about it."""
+    """A folder's JSON file (read with a size and depth bound) checked against `schema` (rana.io.schema); one
+    line naming the file and the field otherwise. `fix`: what the user can do about it."""
     try:
-        doc = json.loads(file.read_text(encoding="utf-8"))
+        doc = read_json(file, "the file")
         if not isinstance(doc, dict):
             raise FieldError("not a JSON object")
         validate(doc, schema)
-    except OSError as e:
-        raise ModelLoadError(f"cannot read '{file}': {e.strerror or e}") from None
-    except (ValueError, UnicodeDecodeError) as e:  # FieldError and JSON syntax errors are ValueErrors
+    except ValueError as e:  # FieldError and JsonFileError (unreadable, too large, too deep, not JSON)
         raise ModelLoadError(f"'{file}' is invalid: {str(e).splitlines()[0]}; {fix}") from None
     return doc
 
@@ -164,28 +158,17 @@ def check_folder(path: Path | str) -> None:
     read_plan(path)
     config = Path(path) / "config.json"
     try:
-        if not isinstance(json.loads(config.read_text(encoding="utf-8")), dict):
+        if not isinstance(read_json(config, "it"), dict):
             raise ValueError("not a JSON object")
-    except (OSError, UnicodeDecodeError, ValueError) as e:
+    except ValueError as e:
         raise ModelLoadError(f"'{config}' is unreadable ({str(e).splitlines()[0]}); restore it or re-create the "
                              "folder with `rana compress`") from None
     check_safetensors_folder(Path(path), error=ModelLoadError)
 
 
 def check_thresholds(model: nn.Module, specs: list[dict], path: Path) -> None:
-    """Every loaded threshold is a number and the one rana_config.json records (a NaN masks
-    nothing or everything without a word; a changed one is not the model that was measured)."""
-    for s in specs:
-        if "threshold" not in ADAPTER_KINDS[s["type"]].spec_fields:  # a slice of a shared code, a rotation
-            continue
-        buf = model.get_submodule(s["path"]).get_buffer("threshold")
-        got, want = float(buf), threshold_from_json(s.get("threshold"))
-        if math.isnan(got):
-            raise ModelLoadError(f"the threshold of '{s['path']}' in '{path}' weights is NaN; the file is corrupt")
-        same = got == want if math.isinf(got) or math.isinf(want) else math.isclose(got, want, rel_tol=1e-2, abs_tol=1e-6)
-        if not same:
-            raise ModelLoadError(f"the threshold of '{s['path']}' in '{path}' weights ({got:g}) differs from its "
-                                 f"{RANA_CONFIG} ({want:g}); the folder was edited or is corrupt")
+    """Every loaded threshold is a number and the one rana_config.json records (`rana.io.loadchecks`)."""
+    loadchecks.check_thresholds(model, specs, where=f"'{path}'", record=RANA_CONFIG)
 
 
 def is_rana_dir(path: Path | str) -> bool:
@@ -193,7 +176,10 @@ def is_rana_dir(path: Path | str) -> bool:
 
 
 def load(path: Path | str, *, device: str = "cpu", dtype: torch.dtype | None = None):
-    """(model, tokenizer) from a rana folder."""
+    """(model, tokenizer) from a rana folder, checked as every loader checks one (`rana.io.loadchecks`, which the
+    transformers quantizer and an export's remote code run too): rana_config.json's schema, then the tensors the
+    weight files hold against the rebuilt model (names, dtypes, shapes) before any is read, then the loaded
+    int8 scales and thresholds."""
     path = Path(path)
     if not is_rana_dir(path):
         raise UserError(f"'{path}' is not a rana folder (no {RANA_CONFIG}); produce one with `rana compress`")
@@ -204,7 +190,11 @@ def load(path: Path | str, *, device: str = "cpu", dtype: torch.dtype | None = N
         config = AutoConfig.from_pretrained(path)
     except (OSError, ValueError) as e:
         raise ModelLoadError(f"'{path / 'config.json'}' is unreadable: {str(e).splitlines()[0]}") from None
-    state = _load_weights(path)  # headers checked before the model is built
+    files = weight_files(path, error=ModelLoadError)  # the index checked: nothing outside the folder
+    if not files:
+        raise ModelLoadError(f"'{path}' has no {WEIGHTS} (nor {WEIGHTS_INDEX}); the rana folder is incomplete")
+    where, fix = f"'{path}'", "re-create the folder with `rana compress`"
+    found = loadchecks.weight_specs(files, where=where)  # every header (nothing truncated), before the model is built
     # Built in the dtype asked for and the weights cast as they are copied in, as
     # `from_pretrained(folder, dtype=...)` does with a quantizer-format export (rana.quantizer): the
     # same float32 buffers the stock class keeps (RoPE's inv_freq), and column norms computed below
@@ -214,29 +204,14 @@ def load(path: Path | str, *, device: str = "cpu", dtype: torch.dtype | None = N
         dtype = getattr(torch, dtype.removeprefix("torch."))
     build_dtype = dtype if isinstance(dtype, torch.dtype) and dtype.is_floating_point else saved_dtype
     model = AutoModelForCausalLM.from_config(config, dtype=build_dtype)
-    try:  # empty adapters, int8 modules (rana.modules.int8) and LAuReL, before the weights load
-        install_rana(model, meta, build_dtype, record_name=RANA_CONFIG)
-    except (AttributeError, KeyError, TypeError, ValueError) as e:
-        stage = failed_stage(e)
-        if stage == "adapters":
-            raise ModelLoadError(f"'{path / RANA_CONFIG}' does not fit the model in config.json "
-                                 f"({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})") from None
-        if stage == "laurel settings":
-            raise ModelLoadError(f"'{path / RANA_CONFIG}': invalid 'laurel' settings ({e})") from None
-        raise
-    try:
-        missing, unexpected = model.load_state_dict(state, strict=False)
-    except RuntimeError as e:  # shapes that differ from rana_config.json
-        raise ModelLoadError(f"weights in '{path}' do not match its {RANA_CONFIG}: "
-                             f"{' '.join(str(e).split())[:300]}") from None
+    # empty adapters, int8 modules (rana.modules.int8) and LAuReL, before the weights load
+    loadchecks.install_record(model, meta, build_dtype, where=f"'{path / RANA_CONFIG}'", record_name=RANA_CONFIG)
     # only what tie_weights() fills may be absent: a tied head's threshold (or bias) missing from the
     # weights would otherwise be taken from rana_config.json without a word
-    missing = [k for k in missing if k not in tied_keys(model)]
-    if missing or unexpected:
-        raise ModelLoadError(f"weights in '{path}' do not match its {RANA_CONFIG}: {len(missing)} missing "
-                             f"{missing[:3]}, {len(unexpected)} unexpected {unexpected[:3]}; the folder is incomplete "
-                             "or was edited")
-    check_thresholds(model, meta["adapters"], path)
+    loadchecks.check_tensors(loadchecks.tensor_specs(model.state_dict()), found, absent_ok=tied_keys(model),
+                             where=where, record=RANA_CONFIG, fix=fix)
+    model.load_state_dict(_load_weights(files), strict=False)  # (strict: checked above, tied keys aside)
+    loadchecks.check_loaded(model, meta, where=where, record=RANA_CONFIG, fix=fix)
     model.tie_weights()
     finish_rana(model, get_arch(config))  # column norms of the loaded weights, decode groups
     if dtype is not None and dtype != build_dtype:  # (not again: .to() would round RoPE's float32 buffers)

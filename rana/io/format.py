@@ -16,25 +16,18 @@ from pathlib import Path
 import torch
 import torch.nn as nn
 
-from ..archs import text_config
 from ..modules import rebuild
 from ..modules.int8 import activations_of
 from ..modules.registry import adapter_class
-from ..errors import UserError
 from .compress_settings import CompressSettings  # re-exported: it moved to its own module
+# the names every loader shares (rana.load, the quantizer, an export's remote code) are written once there
+from .loadchecks import WEIGHT_FORMATS, WEIGHTS, WEIGHTS_INDEX, ModelLoadError, threshold_from_json, tied_keys
 from .version import FORMAT_VERSION
 
-WEIGHTS = "model.safetensors"
-WEIGHTS_INDEX = "model.safetensors.index.json"  # sharded layout, written for models compressed from disk
+# WEIGHTS: model.safetensors; WEIGHTS_INDEX: its index, the sharded layout written for models compressed from disk;
+# WEIGHT_FORMATS: `weights` in rana_config.json / plan.json / the compress settings ("none" or "int8")
 RANA_CONFIG = "rana_config.json"
 PLAN = "plan.json"
-# `weights` in rana_config.json / plan.json / the compress settings: "none" (full precision; what a folder
-# without the field holds) or "int8" (symmetric per-output-channel int8 codes + fp32 scales, rana.modules.int8)
-WEIGHT_FORMATS = ("none", "int8")
-
-
-class ModelLoadError(UserError):
-    """A model reference or folder that cannot be resolved or loaded (user-facing)."""
 
 
 def write_json(path: Path, obj) -> None:
@@ -55,17 +48,6 @@ def threshold_to_json(x: float) -> float | str | None:
     if x == math.inf:
         return "inf"
     return None if math.isinf(x) else x
-
-
-def threshold_from_json(t) -> float:
-    """The threshold a rana_config.json entry records (null: -inf, "inf": +inf); ValueError otherwise."""
-    if t is None:
-        return -math.inf
-    if t == "inf":
-        return math.inf
-    if isinstance(t, bool) or not isinstance(t, (int, float)) or not math.isfinite(t):
-        raise ValueError(f"threshold {t!r} is not a finite number (null means -inf, \"inf\" means +inf)")
-    return float(t)
 
 
 def adapter_specs(model: nn.Module, *, outside: str | None = None) -> list[dict]:
@@ -105,17 +87,6 @@ def weights_meta(model: nn.Module) -> dict:
     if not paths:
         return {}
     return {"weights": "int8", "int8": {"modules": paths, "activations": activations_of(model)}}
-
-
-def tied_keys(model: nn.Module) -> set[str]:
-    """Parameter names that `tie_weights()` fills from the input embedding (e.g. lm_head.weight):
-    no checkpoint needs to hold them."""
-    text = text_config(model.config)
-    if not getattr(text, "tie_word_embeddings", False):
-        return set()
-    out = model.get_output_embeddings()
-    name = next((n for n, m in model.named_modules() if m is out), None)
-    return {f"{name}.weight"} if name is not None else set()
 
 
 __all__ = ["WEIGHT_FORMATS", "weights_meta", "FORMAT_VERSION", "WEIGHTS", "WEIGHTS_INDEX", "RANA_CONFIG", "PLAN", "ModelLoadError", "CompressSettings",

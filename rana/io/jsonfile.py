@@ -4,8 +4,8 @@ the process: the size is checked before the file is read (a 125 MB manifest is n
 nesting depth before it is parsed (the stdlib parser recurses: 100,000 nested brackets end in
 RecursionError).
 
-A leaf of rana.io: only the standard library and rana.errors. Stdlib-only on purpose: the remote code of
-an export checks its rana_config.json with a copy of `nesting_depth` (rana/export/template).
+A leaf of rana.io: only the standard library and rana.errors. Stdlib-only on purpose: it ships flat with
+every export (beside `loadchecks`), so the remote code reads rana_config.json with the same bounds.
 """
 from __future__ import annotations
 
