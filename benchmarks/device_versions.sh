@@ -50,6 +50,7 @@ export HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false PYTHONDONTWRITEBYTECODE=1
 PY="$VENV/bin/python"
 STAMP="$VENV/.device-pins"
 PYTEST=("$PY" -m pytest -q -p no:cacheprovider -rfE "$@")
+export RANA_DEVICE_VERSIONS=1  # tests/test_gpu_suite.py: the whole one command --smoke runs here, not in make test
 
 build_venv() {
     local want

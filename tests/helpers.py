@@ -143,3 +143,16 @@ def exported_logits(folder, ids: torch.Tensor, work, model_check: str = "") -> t
                                "HF_MODULES_CACHE": str(Path(work) / "mods")})
     assert proc.returncode == 0, proc.stderr[-3000:]
     return torch.tensor(json.loads(proc.stdout.strip().splitlines()[-1]))
+
+
+def one_line_error(res, *needles: str) -> str:
+    """The command failed with a single `error:` line (no traceback) containing every needle."""
+    assert res.exit_code not in (0, None), res.output
+    assert res.exception is None or isinstance(res.exception, SystemExit), repr(res.exception)
+    assert "Traceback" not in res.output, res.output
+    errors = [line for line in res.output.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1, res.output
+    text = " ".join(res.output[res.output.index("error:"):].split())  # rich wraps long lines
+    for needle in needles:
+        assert needle in text, text
+    return text

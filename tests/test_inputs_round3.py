@@ -16,7 +16,7 @@ import pytest
 import torch
 from typer.testing import CliRunner
 
-from helpers import byte_tokenizer, tiny_calibration, tiny_compress_config, tiny_model, tiny_model_dir
+from helpers import byte_tokenizer, tiny_calibration, tiny_compress_config, tiny_model, tiny_model_dir, one_line_error
 from rana.cli.app import app
 from rana.compress import CompressConfig
 from rana.data import BUNDLED_CORPUS, DataError, check_source, load_texts, read_tokens
@@ -27,19 +27,6 @@ pytestmark = pytest.mark.usefixtures("one_thread")  # tiny models: one thread is
 runner = CliRunner()
 SMALL = ["--calib-tokens", "1024", "--seq-len", "64", "--batch-size", "4"]
 PROMPTED = "Do you wish to run the custom code"  # transformers' trust_remote_code question
-
-
-def one_line_error(res, *needles: str) -> str:
-    """The command failed with a single `error:` line (no traceback) containing every needle."""
-    assert res.exit_code not in (0, None), res.output
-    assert res.exception is None or isinstance(res.exception, SystemExit), repr(res.exception)
-    assert "Traceback" not in res.output, res.output
-    errors = [line for line in res.output.splitlines() if line.startswith("error:")]
-    assert len(errors) == 1, res.output
-    text = " ".join(res.output[res.output.index("error:"):].split())  # rich wraps long lines
-    for needle in needles:
-        assert needle in text, text
-    return text
 
 
 @pytest.fixture(scope="module")

@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
-from helpers import tiny_model_dir
+from helpers import tiny_model_dir, one_line_error
 from rana.cli.app import app
 from rana.compress import CompressConfig
 from rana.errors import UserError
@@ -61,19 +61,6 @@ def nothing_loads(monkeypatch, work):
     monkeypatch.setattr(rana.evaluation.run, "open_model", refuse)
     monkeypatch.setattr(rana.compress, "compress", refuse)
     monkeypatch.chdir(work / "here")
-
-
-def one_line_error(res, *needles: str) -> str:
-    """The command failed with a single `error:` line (no traceback) containing every needle."""
-    assert res.exit_code not in (0, None), res.output
-    assert res.exception is None or isinstance(res.exception, SystemExit), repr(res.exception)
-    assert "Traceback" not in res.output
-    errors = [line for line in res.output.splitlines() if line.startswith("error:")]
-    assert len(errors) == 1, res.output
-    text = " ".join(res.output[res.output.index("error:"):].split())  # rich wraps long lines
-    for needle in needles:
-        assert needle in text, text
-    return text
 
 
 def _run(work, template: list[str]):

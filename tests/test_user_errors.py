@@ -15,7 +15,7 @@ import pytest
 import torch
 from typer.testing import CliRunner
 
-from helpers import tiny_model_dir
+from helpers import tiny_model_dir, one_line_error
 from rana.cli.app import app
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # tiny models: one thread is fastest
@@ -52,21 +52,6 @@ def work(tmp_path_factory):
                               "--dataset", str(root / "calib.txt"), *SMALL])
     assert res.exit_code == 0, res.output
     return root
-
-
-def one_line_error(res, *needles: str) -> str:
-    """The command failed with a single `error:` line (no traceback) containing every needle."""
-    assert res.exit_code not in (0, None), res.output
-    assert res.exception is None or isinstance(res.exception, SystemExit), repr(res.exception)
-    assert "Traceback" not in res.output
-    errors = [line for line in res.output.splitlines() if line.startswith("error:")]
-    assert len(errors) == 1, res.output
-    text = " ".join(res.output[res.output.index("error:"):].split())  # rich wraps long lines
-    for needle in needles:
-        assert needle in text, text
-    return text
-
-
 
 
 @pytest.fixture
