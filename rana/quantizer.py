@@ -79,7 +79,7 @@ class RanaQuantizationConfig(QuantizationConfigMixin):
 
 def quantization_config_dict(meta: dict, rana_version: str | None) -> dict:
     """config.json's quantization_config for a rana folder's rana_config.json `meta`."""
-    return RanaQuantizationConfig(meta["adapters"], meta.get("laurel") or None, meta.get("format_version"),
+    return RanaQuantizationConfig(meta.get("adapters"), meta.get("laurel") or None, meta.get("format_version"),
                                   rana_version, meta.get("weights"), meta.get("int8")).to_dict()
 
 

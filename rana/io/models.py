@@ -154,13 +154,12 @@ def stock_config(folder: Path, config: dict | None = None):
     from transformers import CONFIG_MAPPING
 
     from ..quantizer import quantization_config_dict, register
+    from .loadchecks import record_of
 
     register()  # quant_method "rana" known here even with RANA_NO_HF_HOOK=1
     config = dict(config if config is not None else config_dict(folder))
     if export_format(config) == "remote-code":
-        record = {"adapters": config.get("rana_adapters"), "laurel": config.get("rana_laurel"),
-                  "format_version": config.get("rana_format_version"), "weights": config.get("rana_weights"),
-                  "int8": config.get("rana_int8")}
+        record = record_of(lambda key: config.get(f"rana_{key}"))  # as the shipped code reads them
         stock = {k: v for k, v in config.items() if not k.startswith("rana_") and k != "auto_map"}
         stock["model_type"] = str(config.get("model_type") or "").removeprefix("rana_")
         stock["architectures"] = [str(a).removeprefix("Rana") for a in config.get("architectures") or []]
