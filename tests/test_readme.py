@@ -29,8 +29,10 @@ WIDE = {"COLUMNS": "250", "TERMINAL_WIDTH": "250"}  # help text must not be cut 
 SHELL_FENCES = {"", "bash", "sh", "shell", "console"}
 FENCE = re.compile(r"^```([^\n]*)\n(.*?)^```", flags=re.S | re.M)
 # options of other programs that the docs name in prose: `transformers serve` (docs/serving.md), lm_eval's
-# `--model` / `--model_args`, benchmarks/gpu_suite.py's `--smoke` (docs/gpu.md)
-FOREIGN_OPTIONS = {"--continuous-batching", "--model-timeout", "--trust-remote-code", "--model", "--smoke"}
+# `--model` / `--model_args`, benchmarks/gpu_suite.py's `--smoke` (docs/gpu.md), pip's `--extra-index-url`
+# (docs/serving.md, vLLM's CPU build)
+FOREIGN_OPTIONS = {"--continuous-batching", "--model-timeout", "--trust-remote-code", "--model", "--smoke",
+                   "--extra-index-url"}
 
 
 @lru_cache(maxsize=None)
