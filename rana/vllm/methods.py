@@ -125,6 +125,7 @@ class RanaLinearMethod(LinearMethodBase):
             return (None if row_parallel else (p.start, p.rows)), cols
 
         stored = {}
+        dtypes = {"weight": params_dtype, "qweight": torch.int8, "weight_scale": torch.float32}  # as rana stores them
         children = []  # the children each projection stores (its masked matrix, its own rank code)
         masked = {s.masked for s in self.served}
         codes = {s.code for s in self.served}
@@ -143,8 +144,7 @@ class RanaLinearMethod(LinearMethodBase):
                     shape = local_shape(spec, child, name, rows=p.rows, cols=in_local if row_parallel else None)
                     regions[p.shard_id] = (start, shape)
                     start += int(torch.Size(shape).numel())
-                dtype = {"weight": params_dtype, "qweight": torch.int8, "weight_scale": torch.float32}[name]
-                stored[child, name] = _Stored(layer, child, name, regions, dtype, shard_of)
+                stored[child, name] = _Stored(layer, child, name, regions, dtypes[name], shard_of)
         if code == "shared":
             code_spec = self.config.specs[self.specs[0]["code"]]
             if any(s.get("code") != code_spec["path"] for s in self.specs):
@@ -152,8 +152,7 @@ class RanaLinearMethod(LinearMethodBase):
             int8 = self.config.is_int8([code_spec], "B")
             for name in (INT8_NAMES if int8 else ("weight",)):
                 shape = local_shape(code_spec, "code", name, rows=None, cols=in_local if row_parallel else None)
-                dtype = {"weight": params_dtype, "qweight": torch.int8, "weight_scale": torch.float32}[name]
-                stored["code", name] = _Stored(layer, "code", name, {None: (0, shape)}, dtype,
+                stored["code", name] = _Stored(layer, "code", name, {None: (0, shape)}, dtypes[name],
                                                lambda _sid: (None, cols))
         layer.rana_parts, layer.rana_stored, layer.rana_row_parallel = parts, stored, row_parallel
         layer.register_buffer("rana_anchor", torch.zeros(1, dtype=torch.float32), persistent=False)

