@@ -66,7 +66,7 @@ import torch
 
 from .modes import HEADER_NAME, MODE_IDS, c_header
 
-__all__ = ["NativeCall", "native_masked", "a8_isa", "A8_ISAS", "ACTIVATIONS", "expert_masked_gemv_native",
+__all__ = ["NativeCall", "NativeGroup", "native_masked", "a8_isa", "A8_ISAS", "ACTIVATIONS", "expert_masked_gemv_native",
            "native_kernel", "native_status", "native_limit", "dense_streak", "reset_dense_streaks", "source", "library_name", "build_variant",
            "Library", "BUILD_FLAGS", "BUILD_ATTEMPTS", "DENSE_STREAK"]
 
@@ -111,6 +111,7 @@ class Library(NamedTuple):
     lanes: int  # the int8 inner loop's vector width (rana_i8_lanes)
     masked_a8: object = None  # rana_masked_gemv_a8(operands, x, t, y, threads): int8 activations; as masked_i8
     a8_best: int = 0  # the widest W8A8 loop this CPU runs (rana_a8_isa_best: an index of A8_ISAS)
+    masked_group: object = None  # rana_masked_gemv_group(group, x, y, threads): sibling projections, one call
 
 
 # The W8A8 inner loops, by the C source's RANA_ISA_* id; the activation formats an int8 weight decodes with.
@@ -137,7 +138,9 @@ def _bind_entries(lib: ctypes.CDLL) -> Library:
     expert.argtypes, expert.restype = [p, p, p, p, i64, i64, i64, i64, i64, i64, p, i32], i64
     a8 = lib.rana_masked_gemv_a8
     a8.argtypes, a8.restype = [p, p, f32, p, i32], i64
-    return Library(f, i8, expert, int(lib.rana_i8_lanes()), a8, int(lib.rana_a8_isa_best()))
+    group = lib.rana_masked_gemv_group
+    group.argtypes, group.restype = [p, p, p, i32], i64
+    return Library(f, i8, expert, int(lib.rana_i8_lanes()), a8, int(lib.rana_a8_isa_best()), group)
 
 
 class _Operands(ctypes.Structure):  # rana_operands in cpu_gemv.c
@@ -274,6 +277,67 @@ class NativeCall:
         return y
 
     def __reduce__(self):  # ctypes operands point into this process's tensors: a copy rebinds
+        return _unpickled_none, ()
+
+
+class _Group(ctypes.Structure):  # rana_group in cpu_gemv.c
+    _fields_ = [("ops", ctypes.c_void_p), ("t", ctypes.c_void_p), ("offset", ctypes.c_void_p),
+                ("format", ctypes.c_void_p), ("P", ctypes.c_int64)]
+
+
+_GROUP_FORMATS = {("float", False): 0, ("float", True): 1, ("int8", True): 2}  # (activations, int8) -> RANA_GROUP_*
+
+
+class NativeGroup:
+    """Sibling projections that read one fp32 CPU token (q/k/v, gate/up, a serving engine's fused layer), bound
+    once with their thresholds: one native call writes each projection's masked GEMV into its columns of one
+    output row. Float weights always take the kernel (no dense-BLAS branch, so a token's result does not depend
+    on earlier tokens). The thresholds are read once, here: bind again when they change."""
+
+    __slots__ = ("calls", "width", "_fn", "_arrays", "_group", "_address")
+
+    def __init__(self, calls, width: int, fn, arrays, group):
+        self.calls, self.width, self._fn, self._arrays, self._group = calls, width, fn, arrays, group
+        self._address = ctypes.addressof(group)
+
+    @classmethod
+    def bind(cls, calls, thresholds, offsets, width: int, library: Library | None = None) -> "NativeGroup | None":
+        """`calls`: usable NativeCalls over one input width K; `thresholds`: a float each (-inf: mode "none");
+        `offsets`: where each one's N outputs start in a row of `width`. None where the library or a call cannot
+        serve the group (the caller keeps its per-projection path)."""
+        lib = library if library is not None else _load()[0]
+        if lib is None or lib.masked_group is None or not calls or not all(c.usable for c in calls):
+            return None
+        if len({c.K for c in calls}) != 1 or any(o < 0 or o + c.N > width for c, o in zip(calls, offsets)):
+            return None
+        spans = sorted((int(o), int(o) + c.N) for c, o in zip(calls, offsets))
+        if any(end > start for (_, end), (start, _) in zip(spans, spans[1:])):
+            return None  # overlapping columns
+        P = len(calls)
+        ops = (_Operands * P)()
+        for i, c in enumerate(calls):
+            ops[i] = c._operands  # copied by value: the group reads its own array
+        t = (ctypes.c_float * P)(*[float(x) for x in thresholds])
+        off = (ctypes.c_int64 * P)(*[int(o) for o in offsets])
+        fmt = (ctypes.c_int64 * P)(*[_GROUP_FORMATS[(c.activations, c.int8)] for c in calls])
+        group = _Group(ctypes.addressof(ops), ctypes.addressof(t), ctypes.addressof(off), ctypes.addressof(fmt), P)
+        return cls(tuple(calls), width, lib.masked_group, (ops, t, off, fmt), group)
+
+    @property
+    def K(self) -> int:
+        return self.calls[0].K
+
+    def __call__(self, x: torch.Tensor, y: torch.Tensor) -> bool:
+        """Write the group's outputs for the fp32 contiguous CPU token `x` (K values) into `y` (fp32 contiguous,
+        `width` values); False (y not to be used) where a scratch buffer could not be grown."""
+        return self._fn(self._address, x.data_ptr(), y.data_ptr(), torch.get_num_threads()) >= 0
+
+    def run(self, x: int, y: int, threads: int) -> bool:
+        """`__call__` on raw addresses, for a caller that has checked the tensors and reads the thread count
+        once per layer (a serving engine's op, ~120 calls per decode step)."""
+        return self._fn(self._address, x, y, threads) >= 0
+
+    def __reduce__(self):  # bound to this process's addresses: a copy rebinds
         return _unpickled_none, ()
 
 
