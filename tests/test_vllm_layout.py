@@ -90,7 +90,7 @@ def test_shard_axes():
 @pytest.fixture(scope="module")
 def models():
     out = {}
-    for method in ("rana", "rana-paper", "rana-int8"):
+    for method in ("rana", "rana-paper", "rana-int8", "rana-paper-int8"):
         model = tiny_model("llama", seed=3, hidden_size=64, intermediate_size=256)  # 128 per rank: whole W8A8 blocks
         ids = torch.randint(0, 128, (20, 32), generator=torch.Generator().manual_seed(0))
         cfg = CompressConfig(model="x", flops=0.6, method=method.replace("-int8", ""), calib_tokens=512, seq_len=32,
@@ -170,7 +170,7 @@ def _sites(model, method):
             ([mlp.down_proj], [kind(mlp.down_proj)], None, True)]
 
 
-@pytest.mark.parametrize("method", ["rana", "rana-paper", "rana-int8"])
+@pytest.mark.parametrize("method", ["rana", "rana-paper", "rana-int8", "rana-paper-int8"])
 @pytest.mark.parametrize("tokens", [1, 5])
 def test_layer_state_equals_rana_modules(models, method, tokens):
     model = models[method]

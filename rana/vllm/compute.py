@@ -10,7 +10,8 @@ in ``apply`` may branch on the number of tokens. ``apply`` therefore calls one r
   on CUDA, the native or torch path on CPU), exactly as `rana.load` decodes;
 - several tokens (prefill, batches): each token's own mask on its own input row, then the dense GEMM vLLM would
   use (its prepacked CPU GEMM, cuBLAS), projections that share input, mode and threshold in one GEMM; int8
-  weights as `rana.load` multiplies several tokens (dequantized for the call, W8A8 inputs quantized).
+  weights as `rana.load` multiplies several tokens (the dequantized weights, W8A8 inputs quantized), from a
+  dequantized copy made once at load.
 
 A layer's state is found by the address of its anchor (a one-element buffer of the layer that the graph takes
 as an input), so a graph traced for one model never reads another model's state.
@@ -59,12 +60,6 @@ class Matrix:
             return Int8Weight(self.q_t, self.qscale, bias, self.activations)
         return FloatWeight(self.weight, bias)
 
-    def several(self, x: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
-        """Several tokens through an int8 matrix, as Int8Linear.forward multiplies them."""
-        if self.activations == "int8":
-            x = quantize_activations(x).to(x.dtype)
-        return F.linear(x, self.dequantized(x.dtype), None if bias is None else bias.to(x.dtype))
-
 
 def column_major(weight: torch.Tensor) -> torch.Tensor:
     """`weight` (out, in) stored so that `weight.t()` is contiguous: one input's column is one row."""
@@ -76,6 +71,7 @@ class Code:
     """A dense rank code z = B x (a rank adapter's B, or the stacked q/k/v code), computed as rana does."""
     matrix: Matrix
     operand: object = None
+    dequantized: dict = field(default_factory=dict)  # int8 B: dtype -> its dequantized copy (several tokens)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         m = self.matrix
@@ -85,7 +81,12 @@ class Code:
             if self.operand is None:
                 self.operand = m.operand()
             return decode_masked(self.operand, x, None, "none")
-        return m.several(x, None)
+        w = self.dequantized.get(x.dtype)
+        if w is None:
+            w = self.dequantized[x.dtype] = m.dequantized(x.dtype)
+        if m.activations == "int8":
+            x = quantize_activations(x).to(x.dtype)
+        return F.linear(x, w)
 
 
 @dataclass
@@ -126,7 +127,8 @@ class Part:
 
 @dataclass
 class Group:
-    """Projections whose several-token product is one GEMM: same input, mode and threshold, float weights."""
+    """Projections whose several-token product is one GEMM: same input, mode, threshold and weight format (int8
+    weights through their dequantized copy)."""
     parts: list
     dense: Callable  # (masked input, bias or None) -> (tokens, rows)
 
@@ -138,8 +140,9 @@ class Group:
 class LayerState:
     """A layer's projections on this rank, ready for tokens (see the module docstring)."""
 
-    def __init__(self, name: str, parts: list[Part], codes: list[Code], dense_for: Callable):
-        self.name, self.parts, self.codes = name, parts, codes
+    def __init__(self, name: str, parts: list[Part], codes: list[Code], dense_for: Callable,
+                 dtype: torch.dtype = torch.float32):
+        self.name, self.parts, self.codes, self.dtype = name, parts, codes, dtype
         self.out_features = sum(p.rows for p in parts)
         self.groups = self._groups(dense_for)
         self.native_groups: dict = {}  # bias address (0: none) -> [(NativeGroup, input: None or a code)] or None
@@ -155,7 +158,8 @@ class LayerState:
     def _groups(self, dense_for) -> list:
         groups, run = [], []
         for p in self.parts:
-            same = run and not p.matrix.int8 and not run[0].matrix.int8 and (p.code, p.mode) == (run[0].code, run[0].mode) \
+            same = run and (p.code, p.mode, p.matrix.int8, p.matrix.activations) == \
+                (run[0].code, run[0].mode, run[0].matrix.int8, run[0].matrix.activations) \
                 and p.scale is None and run[0].scale is None and _same(p.threshold, run[0].threshold)
             if same:
                 run.append(p)
@@ -166,11 +170,11 @@ class LayerState:
         groups.append(run)
         out = []
         for run in groups:
-            if run[0].matrix.int8:
-                out.append(Group(run, None))
-            else:
-                rows = torch.cat([p.matrix.weight for p in run]) if len(run) > 1 else run[0].matrix.weight
-                out.append(Group(run, dense_for(rows)))
+            # int8 weights: one dequantized copy in the model's dtype, packed for the GEMM once (dequantizing per
+            # call cost 4x dense's time per step at batch 8); the int8 codes stay for one-token decoding
+            mats = [p.matrix.dequantized(self.dtype) if p.matrix.int8 else p.matrix.weight for p in run]
+            rows = torch.cat(mats) if len(mats) > 1 else mats[0]
+            out.append(Group(run, dense_for(rows)))
         return out
 
     def __call__(self, x: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
@@ -253,15 +257,11 @@ class LayerState:
         ys = []
         for group in self.groups:
             first = group.parts[0]
-            v = self._input(first, x, zs)
+            v = first.masked(self._input(first, x, zs))
+            if first.matrix.int8 and first.matrix.activations == "int8":
+                v = quantize_activations(v).to(v.dtype)  # W8A8: each token's kept inputs as the kernels take them
             offset, rows = group.rows
-            b = None if bias is None else bias.narrow(0, offset, rows)
-            if group.dense is not None:
-                ys.append(group.dense(first.masked(v), b))
-                continue
-            for p in group.parts:  # int8: each projection as Int8Linear multiplies several tokens
-                v = self._input(p, x, zs)
-                ys.append(p.matrix.several(p.masked(v), None if bias is None else bias.narrow(0, p.offset, p.rows)))
+            ys.append(group.dense(v, None if bias is None else bias.narrow(0, offset, rows)))
         return ys[0] if len(ys) == 1 else torch.cat(ys, dim=-1)
 
 

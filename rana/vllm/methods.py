@@ -157,6 +157,7 @@ class RanaLinearMethod(LinearMethodBase):
         layer.rana_parts, layer.rana_stored, layer.rana_row_parallel = parts, stored, row_parallel
         layer.register_buffer("rana_anchor", torch.zeros(1, dtype=torch.float32), persistent=False)
         layer.rana_out = sum(output_partition_sizes)
+        layer.rana_dtype = params_dtype  # the model's dtype: int8 weights' dequantized copy for several tokens
 
     def _matrix(self, layer, child: str, key) -> compute.Matrix:
         stored = layer.rana_stored
@@ -198,7 +199,7 @@ class RanaLinearMethod(LinearMethodBase):
                 torch.tensor(threshold_of(spec, specs), dtype=torch.float32, device=device)
             parts.append(compute.Part(spec["path"], p.rows, p.offset, m, served.mode, threshold, scale, code,
                                       compute.part_sparsity_bin(active_fraction(spec, specs))))
-        state = compute.LayerState(self.prefix, parts, codes, _dense_for(device.type == "cpu"))
+        state = compute.LayerState(self.prefix, parts, codes, _dense_for(device.type == "cpu"), layer.rana_dtype)
         layer.rana_state = state  # the layer holds its state; the op finds it through the anchor
         compute.register_state(layer.rana_anchor, state)
         # the flat loading buffers of float matrices were copied (column-major parts, the GEMMs' packed weights)
@@ -237,6 +238,7 @@ class RanaHeadMethod(QuantizeMethodBase):
             layer.rana_loaded = set()
         layer.register_buffer("rana_anchor", torch.zeros(1, dtype=torch.float32), persistent=False)
         layer.rana_out = rows
+        layer.rana_dtype = params_dtype
 
     def _load_int8(self, layer):
         def load(param, loaded, *_):
@@ -270,7 +272,9 @@ class RanaHeadMethod(QuantizeMethodBase):
                             compute.part_sparsity_bin(self.spec.get("active_fraction")))
         packed = _dense_for(device.type == "cpu")
         row_major = None if self.int8 else layer.weight.data  # (a tied head's: the embedding's rows, not a copy)
-        layer.rana_state = compute.LayerState(self.prefix, [part], [], lambda _rows: packed(row_major))
+        layer.rana_state = compute.LayerState(self.prefix, [part], [],
+                                              lambda rows: packed(rows if row_major is None else row_major),
+                                              layer.rana_dtype)
         compute.register_state(layer.rana_anchor, layer.rana_state)
 
     def apply(self, layer, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
