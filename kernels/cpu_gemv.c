@@ -30,35 +30,31 @@ static inline int rana_active(float v, float t, int mode, const float* scale, in
     return a >= t;  /* RANA_MODE_ABS */
 }
 
-/* Scratch for a call's list of kept rows: K int32 per thread, grown on demand, never freed (one per thread
-   that ever decoded, the size of the widest input it saw). */
-static __thread int32_t* rana_idx_buf = 0;
-static __thread int64_t rana_idx_cap = 0;
-
-static int32_t* rana_index_scratch(int64_t K) {
-    if (K > rana_idx_cap) {
-        int32_t* grown = (int32_t*)malloc((size_t)(K > 0 ? K : 1) * sizeof(int32_t));
+/* Per-thread scratch, grown on demand and never freed (one per thread that ever decoded, the size of the widest
+   call it saw): *buf holds at least `bytes`, or 0 is returned when it cannot be grown (*buf kept). */
+static void* rana_grow(void** buf, int64_t* cap, int64_t bytes) {
+    if (bytes > *cap) {
+        void* grown = malloc((size_t)(bytes > 0 ? bytes : 1));
         if (!grown) return 0;
-        free(rana_idx_buf);
-        rana_idx_buf = grown;
-        rana_idx_cap = K;
+        free(*buf);
+        *buf = grown;
+        *cap = bytes;
     }
-    return rana_idx_buf;
+    return *buf;
 }
 
-/* A thread's own accumulator for a sibling group's outputs (rana_masked_gemv_group): grown on demand, never
-   freed. 0 when it cannot be grown. */
-static __thread float* rana_row_buf = 0;
+/* A call's list of kept rows: K int32. */
+static __thread void* rana_idx_buf = 0;
+static __thread int64_t rana_idx_cap = 0;
+static int32_t* rana_index_scratch(int64_t K) {
+    return (int32_t*)rana_grow(&rana_idx_buf, &rana_idx_cap, K * (int64_t)sizeof(int32_t));
+}
+
+/* A thread's own accumulator for a sibling group's outputs (rana_masked_gemv_group): N floats. */
+static __thread void* rana_row_buf = 0;
 static __thread int64_t rana_row_cap = 0;
 static float* rana_row_scratch(int64_t N) {
-    if (N > rana_row_cap) {
-        float* grown = (float*)malloc((size_t)(N > 0 ? N : 1) * sizeof(float));
-        if (!grown) return 0;
-        free(rana_row_buf);
-        rana_row_buf = grown;
-        rana_row_cap = N;
-    }
-    return rana_row_buf;
+    return (float*)rana_grow(&rana_row_buf, &rana_row_cap, N * (int64_t)sizeof(float));
 }
 
 /* Weight rows are read once per token and the kept rows of a model outgrow the last-level cache: fetch

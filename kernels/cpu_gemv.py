@@ -330,7 +330,7 @@ class NativeGroup:
     def __call__(self, x: torch.Tensor, y: torch.Tensor) -> bool:
         """Write the group's outputs for the fp32 contiguous CPU token `x` (K values) into `y` (fp32 contiguous,
         `width` values); False (y not to be used) where a scratch buffer could not be grown."""
-        return self._fn(self._address, x.data_ptr(), y.data_ptr(), torch.get_num_threads()) >= 0
+        return self.run(x.data_ptr(), y.data_ptr(), torch.get_num_threads())
 
     def run(self, x: int, y: int, threads: int) -> bool:
         """`__call__` on raw addresses, for a caller that has checked the tensors and reads the thread count
