@@ -294,17 +294,19 @@ class NativeGroup:
     output row. Float weights always take the kernel (no dense-BLAS branch, so a token's result does not depend
     on earlier tokens). The thresholds are read once, here: bind again when they change."""
 
-    __slots__ = ("calls", "width", "_fn", "_arrays", "_group", "_address")
+    __slots__ = ("calls", "width", "K", "_fn", "_arrays", "_group", "_address")
 
-    def __init__(self, calls, width: int, fn, arrays, group):
-        self.calls, self.width, self._fn, self._arrays, self._group = calls, width, fn, arrays, group
+    def __init__(self, calls, width: int, K: int, fn, arrays, group):
+        self.calls, self.width, self.K, self._fn, self._arrays, self._group = calls, width, K, fn, arrays, group
         self._address = ctypes.addressof(group)
 
     @classmethod
-    def bind(cls, calls, thresholds, offsets, width: int, library: Library | None = None) -> "NativeGroup | None":
+    def bind(cls, calls, thresholds, offsets, width: int, library: Library | None = None,
+             keep_calls: bool = True) -> "NativeGroup | None":
         """`calls`: usable NativeCalls over one input width K; `thresholds`: a float each (-inf: mode "none");
         `offsets`: where each one's N outputs start in a row of `width`. None where the library or a call cannot
-        serve the group (the caller keeps its per-projection path)."""
+        serve the group (the caller keeps its per-projection path). `keep_calls=False`: the group does not hold
+        the calls (nor so their tensors): its owner drops it before any of those tensors is freed (op_native)."""
         lib = library if library is not None else _load()[0]
         if lib is None or lib.masked_group is None or not calls or not all(c.usable for c in calls):
             return None
@@ -321,11 +323,7 @@ class NativeGroup:
         off = (ctypes.c_int64 * P)(*[int(o) for o in offsets])
         fmt = (ctypes.c_int64 * P)(*[_GROUP_FORMATS[(c.activations, c.int8)] for c in calls])
         group = _Group(ctypes.addressof(ops), ctypes.addressof(t), ctypes.addressof(off), ctypes.addressof(fmt), P)
-        return cls(tuple(calls), width, lib.masked_group, (ops, t, off, fmt), group)
-
-    @property
-    def K(self) -> int:
-        return self.calls[0].K
+        return cls(tuple(calls) if keep_calls else (), width, calls[0].K, lib.masked_group, (ops, t, off, fmt), group)
 
     def __call__(self, x: torch.Tensor, y: torch.Tensor) -> bool:
         """Write the group's outputs for the fp32 contiguous CPU token `x` (K values) into `y` (fp32 contiguous,

@@ -147,8 +147,9 @@ def test_int8_beside_full_precision_siblings_decode_on_their_own(monkeypatch):
 
 
 def test_bound_call_matches_the_op_implementation():
-    """A module's operand (its native call bound once) and the registered op's implementation (bound for one
-    call) give the same bits."""
+    """A module's operand (its native call bound once) and the registered op's implementation (its binding kept by
+    op_native, a group of one) agree to fp32 rounding: the group entry may split the kept rows between threads,
+    so its sums run in another order."""
     g = torch.Generator().manual_seed(12)
     w = torch.randn(40, 24, generator=g).t().contiguous().t()  # column-major, as the adapters store it
     x = torch.randn(1, 1, 24, generator=g)
@@ -157,4 +158,4 @@ def test_bound_call_matches_the_op_implementation():
         scale = torch.rand(24, generator=g) if mode == "abs_scaled" else None
         a = route.decode_masked(FloatWeight(w), x, t, mode, scale)
         b = ops.decode_masked_impl(w.t(), None, x, t, mode, scale, None)
-        torch.testing.assert_close(a, b, rtol=0, atol=0)
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6 * float(a.abs().max()))
