@@ -156,6 +156,17 @@ def test_generation_config_swap_reaches_both_compiled_harnesses(monkeypatch):
     assert seen == ["compiled", "compiled"]
 
 
+def test_cpu_steps_compile_without_inductors_asserts():
+    """A compiled CPU step: inductor's default mode, its generated code without the per-output size and alignment
+    asserts (torch.compile takes a mode or options, not both); CUDA keeps CUDA graphs."""
+    kwargs = latency.step_compile_kwargs(tiny_model("llama"), "cpu")
+    assert kwargs["backend"] == "inductor" and "mode" not in kwargs
+    assert kwargs["options"] and not any(kwargs["options"].values())
+    assert set(kwargs["options"]) <= {"size_asserts", "alignment_asserts"}
+    cuda = latency.generation_config(tiny_model("llama"), 4, "compiled", torch.device("cuda")).compile_config
+    assert cuda.mode == "reduce-overhead" and not cuda.options
+
+
 def test_step_mode_in_public_api():
     model = tiny_model("llama")
     r = decode_latency(model, PROMPT, new_tokens=3, warmup=0, repeats=1, mode="step", compile_backend="eager")

@@ -101,9 +101,10 @@ def compile_kwargs(compile_config, backend: str | None = None) -> dict[str, Any]
     kwargs = {"fullgraph": compile_config.fullgraph, "dynamic": compile_config.dynamic,
               "backend": backend or compile_config.backend}
     if kwargs["backend"] == "inductor":
-        kwargs["mode"] = compile_config.mode
         if compile_config.options:
             kwargs["options"] = compile_config.options
+        else:
+            kwargs["mode"] = compile_config.mode
     return kwargs
 
 
