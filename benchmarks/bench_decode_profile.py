@@ -161,6 +161,26 @@ class Probe:
 _MISSING, _INSTANCE = object(), object()
 
 
+def opaque_zeros():
+    """`rana_bench::zeros(x, n)`: zeros of shape x.shape[:-1] + (n,), as a registered op (defined once per process)
+    that a compiled graph keeps, with its input, as it keeps rana's own ops."""
+    import torch
+
+    try:
+        return torch.ops.rana_bench.zeros
+    except (AttributeError, RuntimeError):
+        pass
+    lib = torch.library.Library("rana_bench", "DEF")
+    lib.define("zeros(Tensor x, int n) -> Tensor")
+    lib.impl("zeros", lambda x, n: x.new_zeros(*x.shape[:-1], n), "CompositeExplicitAutograd")
+    torch.library.register_fake("rana_bench::zeros", lambda x, n: x.new_empty(*x.shape[:-1], n), lib=lib)
+    _LIBRARIES.append(lib)  # a Library's definitions live as long as the object
+    return torch.ops.rana_bench.zeros
+
+
+_LIBRARIES: list = []
+
+
 def unbind(model) -> None:
     """Drop every module's decode operands and so their bound native calls (rana.kernels.cpu_gemv.NativeCall):
     the next token binds to whatever kernel entry points are current (patched or restored)."""
@@ -180,10 +200,13 @@ class Floor:
       their output shape; what is left is transformers' own step (attention, norms, rotary, the cache, its
       Python): the floor no kernel can remove in the eager `generate` harness.
     Outputs are zeros, so tokens are meaningless; the step's shapes (and so its work) are not.
+
+    `opaque` (for a compiled step): the zeros come from a registered op (`rana_bench::zeros`) that inductor cannot
+    see into. Plain zeros would let it prove every attention output unused and delete the attention.
     """
 
-    def __init__(self, kind: str):
-        self.kind, self.undo = kind, []
+    def __init__(self, kind: str, opaque: bool = False):
+        self.kind, self.undo, self.opaque = kind, [], opaque
 
     def install(self, model) -> None:
         import ctypes
@@ -214,10 +237,11 @@ class Floor:
                 self.model = model
             return
         head = model.get_output_embeddings()
+        zeros = opaque_zeros() if self.opaque else (lambda x, n: x.new_zeros(*x.shape[:-1], n))
         for m in model.modules():
             if isinstance(m, (MacMeter, RankSliceLinear, Int8Linear)) or m is head:
                 n = m.out_features if hasattr(m, "out_features") else m.weight.shape[0]
-                m.forward = (lambda n: lambda x, *args, **kw: x.new_zeros(*x.shape[:-1], n))(n)
+                m.forward = (lambda n: lambda x, *args, **kw: zeros(x, n))(n)
                 self.undo.append((m, "forward", _INSTANCE))
 
     def _patch(self, owner, name, value):
