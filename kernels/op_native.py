@@ -28,14 +28,14 @@ from torch.multiprocessing.reductions import StorageWeakRef
 
 from .cpu_gemv import NativeCall, NativeGroup
 
-__all__ = ["grouped_native", "masked_native", "bound_count", "forget_all", "prune"]
+__all__ = ["Binding", "grouped_native", "masked_native", "bindings", "bound_count", "forget_all", "prune"]
 
-_BOUND: dict[tuple, "_Binding"] = {}
+_BOUND: dict[tuple, "Binding"] = {}
 _STATS = {"binds": 0}
 _MAX_BINDINGS = 1 << 14
 
 
-class _Binding:
+class Binding:
     """One set of operands bound into a NativeGroup: weak references to the storages its kernel reads, the
     tensors whose values it read at binding (with their versions) and the fp32 copies it made."""
 
@@ -89,7 +89,7 @@ def _key(w_ts, qscales, thresholds, scales, biases, mode: str, activations: str)
     return tuple(key)
 
 
-def _bind(key, w_ts, qscales, thresholds, scales, biases, mode: str, activations: str) -> Optional[_Binding]:
+def _bind(key, w_ts, qscales, thresholds, scales, biases, mode: str, activations: str) -> Optional[Binding]:
     """A binding of the projections into one group row (their outputs side by side), or None where the kernel
     cannot serve them (the caller's torch path)."""
     calls, ts, offsets, copies, read, width = [], [], [], [], [], 0
@@ -119,7 +119,7 @@ def _bind(key, w_ts, qscales, thresholds, scales, biases, mode: str, activations
         if t is not None:
             ref = StorageWeakRef(t.untyped_storage())
             storages.setdefault(ref.cdata, ref)
-    binding = _Binding(group, list(storages.values()), tuple(read), tuple(copies))
+    binding = Binding(group, list(storages.values()), tuple(read), tuple(copies))
     _STATS["binds"] += 1
     if len(_BOUND) >= _MAX_BINDINGS:
         prune()
@@ -173,6 +173,11 @@ def masked_native(w_t, qscale, v, threshold, mode: str, scale, bias, activations
     """One projection's one CPU token through its kept binding: v.shape[:-1] + (N,), or None (the caller's path)."""
     y = grouped_native((v,), (w_t,), (qscale,), (threshold,), mode, (scale,), (bias,), activations)
     return None if y is None else y.view(*v.shape[:-1], y.shape[0])
+
+
+def bindings() -> list[Binding]:
+    """The bindings kept now (tests: what a call bound, and whether it is still current)."""
+    return list(_BOUND.values())
 
 
 def bound_count() -> int:

@@ -126,7 +126,7 @@ def test_freed_weights_end_their_binding():
     thr = torch.tensor(float(t))
     with torch.inference_mode():
         _op("decode_masked_a8")(q_t, qs, v, thr, "abs", None, b)
-    (binding,) = op_native._BOUND.values()
+    (binding,) = op_native.bindings()
     assert binding.current()
     del q_t
     gc.collect()
@@ -172,6 +172,6 @@ def test_compiled_steps_bind_nothing_after_the_first():
         assert op_native.bound_count() == made
     finally:
         torch._dynamo.reset()
-    assert len(op_native._BOUND) > 0
+    assert op_native.bindings()
     assert float((logits - ref_logits).abs().max()) <= 1e-5 * float(ref_logits.abs().max())
     assert torch.equal(tokens, ref_tokens)
