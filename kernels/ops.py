@@ -70,8 +70,8 @@ HAS_TRITON = kernels_available()
 # --------------------------------------------------------------------------------------------
 def decode_masked_impl(w_t: torch.Tensor, qscale: Optional[torch.Tensor], v: torch.Tensor, threshold: torch.Tensor,
                      mode: str, scale: Optional[torch.Tensor], bias: Optional[torch.Tensor]) -> torch.Tensor:
-    """rana::decode_masked's implementation (no Triton): one CPU token through the native kernel (bound for this call) or the
-    torch gather; several tokens and other devices the dense masked product."""
+    """rana::decode_masked's implementation (no Triton): one CPU token through the native kernel (its binding kept by
+    op_native) or the torch gather; several tokens and other devices the dense masked product."""
     mode_id(mode)  # ValueError for an unknown mode
     y = masked_native(w_t, qscale, v, threshold, mode, scale, bias)  # one CPU token, its call bound once
     if y is not None:
