@@ -6,6 +6,7 @@ Compilation uses the "eager" backend here: it traces with dynamo like inductor (
 recompiles) without inductor's C++ build; inductor itself is covered by tests/test_decode_ops.py."""
 from __future__ import annotations
 
+import copy
 import importlib.util
 import json
 from pathlib import Path
@@ -165,6 +166,53 @@ def test_cpu_steps_compile_without_inductors_asserts():
     assert set(kwargs["options"]) <= {"size_asserts", "alignment_asserts"}
     cuda = latency.generation_config(tiny_model("llama"), 4, "compiled", torch.device("cuda")).compile_config
     assert cuda.mode == "reduce-overhead" and not cuda.options
+
+
+class _Entry:
+    def __init__(self, name: str):
+        self.name = name
+
+
+def test_step_guard_filter_drops_the_models_guards_only():
+    """Guards on the model and everything reached through it are dropped; the step's inputs, the cache, global
+    state and module globals keep theirs."""
+    dropped = ["model._modules['model']._modules['layers']._modules['0']._parameters['weight']", "model.training",
+               "dict(type(model.config).__mro__[1].__dict__)['attribute_map']", "type(model)", "model"]
+    kept = ["ids", "positions", "cache.layers[0].keys", "dict(type(cache).__dict__)", "", "const['use_cache']",
+            "G['__import_rana_dot_modules_dot_groups'].GROUP_EAGER_CPU", "model_x", "suppress"]
+    flags = decode_step.step_guard_filter([_Entry(n) for n in dropped + kept])
+    assert flags == [False] * len(dropped) + [True] * len(kept)
+
+
+def test_step_compile_options_add_the_filter_and_keep_the_mode():
+    """A mode becomes the options it stands for (torch.compile takes one or the other): on CUDA, reduce-overhead's
+    CUDA graphs, the same inductor settings as the mode itself; the caller's kwargs are not modified."""
+    cuda = {"fullgraph": True, "dynamic": None, "backend": "inductor", "mode": "reduce-overhead"}
+    got = decode_step.step_compile_options(cuda)
+    assert "mode" not in got and got["options"]["guard_filter_fn"] is decode_step.step_guard_filter
+    assert cuda["mode"] == "reduce-overhead" and "options" not in cuda
+    settings = {k: v for k, v in got["options"].items() if k != "guard_filter_fn"}
+    assert torch._TorchCompileInductorWrapper("reduce-overhead", None, None).config == \
+        torch._TorchCompileInductorWrapper(None, settings, None).config
+    cpu = latency.step_compile_kwargs(tiny_model("llama"), "cpu")
+    got = decode_step.step_compile_options(cpu)
+    assert {k: v for k, v in got["options"].items() if k != "guard_filter_fn"} == cpu["options"]
+    assert "guard_filter_fn" not in cpu["options"]
+    assert decode_step.step_compile_options(EAGER_COMPILE)["options"] == {"guard_filter_fn":
+                                                                          decode_step.step_guard_filter}
+
+
+def test_compiled_steps_of_two_models_keep_their_own_graphs():
+    """Without guards on the model, a step must never run a graph compiled for another model of the same
+    architecture: each compiled step has a code object (a graph cache) of its own."""
+    a = tiny_model("qwen2")
+    b = copy.deepcopy(a)
+    for layer in b.model.layers:
+        layer.self_attn.scaling *= 30.0  # a Python float the traced graph holds as a constant
+    ref_a, ref_b = step_greedy(a, PROMPT, 8), step_greedy(b, PROMPT, 8)
+    assert not torch.equal(ref_a, ref_b)
+    assert torch.equal(step_greedy(a, PROMPT, 8, EAGER_COMPILE), ref_a)
+    assert torch.equal(step_greedy(b, PROMPT, 8, EAGER_COMPILE), ref_b)
 
 
 def test_step_mode_in_public_api():
