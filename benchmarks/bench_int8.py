@@ -71,6 +71,7 @@ EAGER_ROWS = (EAGER_FLOOR, f"rana W8A8 F={TARGET_F}, eager generate")
 DENSE_FP32, TORCH_INT8, LLAMA = "dense fp32", "dense int8 (torch dynamic)", "llama.cpp Q8_0"
 # rana's int8 formats: --activations of `rana quantize` -> the name rows carry
 FORMATS = {"float": "W8A16", "int8": "W8A8"}
+ROW_FORMATS = ("fp32", *FORMATS.values())  # the sparse rows' formats
 DENSE_RANA = {act: f"dense {fmt} (rana)" for act, fmt in FORMATS.items()}
 LLAMA_HOW = "pip install llama-cpp-python (builds llama.cpp from source; benchmark only, not a rana dependency)"
 
@@ -106,10 +107,11 @@ def make_folders(a, f: float, work: Path, log: list[str]) -> tuple[Path, dict[st
     """The fp32 sparse folder and its int8 forms at F = f, by activation format (reused with --reuse when
     complete)."""
     calib = ["--dataset", str(text_file(CALIB))]
-    if a.calib_tokens:
-        calib += ["--calib-tokens", str(a.calib_tokens)]
     if a.seq_len:
         calib += ["--seq-len", str(a.seq_len)]
+    quantize_calib = calib + ([] if a.quantize_calib_tokens is None else ["--calib-tokens", str(a.quantize_calib_tokens)])
+    if a.calib_tokens:
+        calib += ["--calib-tokens", str(a.calib_tokens)]
     fp32 = work / f"{a.slug}_rana_{round(f * 100)}"
     wall = {}
     compress = ["compress", a.model, "--flops", str(f), "--method", a.method, *calib, "--overwrite", *a.extra]
@@ -121,7 +123,7 @@ def make_folders(a, f: float, work: Path, log: list[str]) -> tuple[Path, dict[st
         if a.reuse and (folder / "plan.json").exists():
             continue
         wall[f"{fmt}_s"] = run_rana(["quantize", str(fp32), "--weights", "int8", "--activations", act, "--out",
-                                     str(folder), *calib, "--overwrite"], log)
+                                     str(folder), *quantize_calib, "--overwrite"], log)
     return fp32, int8, wall
 
 
@@ -473,6 +475,17 @@ def parse_args(argv=None):
     ap.add_argument("--seq-len", type=int, default=None, help="calibration window (default: rana's)")
     ap.add_argument("--no-llama", action="store_true", help="skip the llama.cpp row")
     ap.add_argument("--no-latency", action="store_true", help="perplexity and sizes only")
+    ap.add_argument("--no-perplexity", action="store_true",
+                    help="decode times and sizes only: perplexities only where --quality-from has them ('—' elsewhere)")
+    ap.add_argument("--latency-flops", default=None,
+                    help="comma-separated F whose sparse rows are timed (default: every --flops); the others are measured "
+                         "for quality only and freed, so a larger model's timing fits in memory")
+    ap.add_argument("--latency-formats", default=",".join(ROW_FORMATS),
+                    help=f"sparse formats timed, of {', '.join(ROW_FORMATS)} (default: all)")
+    ap.add_argument("--quantize-calib-tokens", type=int, default=None,
+                    help="calibration tokens of `rana quantize` and the dense int8 rows only (default: --calib-tokens, "
+                         "else rana quantize's default; 0: max-abs scales, thresholds kept); decode times do not "
+                         "depend on it")
     ap.add_argument("--work", default=None, help="folder for the compressed models (default: a temp dir)")
     ap.add_argument("--reuse", action="store_true", help="reuse complete folders already in --work")
     ap.add_argument("--quality-from", default=None,
@@ -499,6 +512,12 @@ def parse_args(argv=None):
         ap.error("--int8-via compress: `rana compress --weights int8` writes the default activation format only; use "
                  "--int8-via quantize (the default) for the W8A16 / W8A8 pair")
     a.flops_list = [float(x) for x in a.flops.split(",")]
+    a.latency_flops = [float(x) for x in a.latency_flops.split(",")] if a.latency_flops else list(a.flops_list)
+    a.latency_formats = [x.strip() for x in a.latency_formats.split(",") if x.strip()]
+    if any(x not in ROW_FORMATS for x in a.latency_formats):
+        ap.error(f"--latency-formats takes {', '.join(ROW_FORMATS)}")
+    if a.quantize_calib_tokens is None:
+        a.quantize_calib_tokens = a.calib_tokens
     a.threads_list = [int(x) for x in a.threads.split(",")]
     a.slug = "smollm2" if a.model == "smollm2-135m" else Path(a.model).name.replace(".", "p").lower()
     return a
@@ -557,7 +576,7 @@ def load_dense(a):
     return dense, tok, texts
 
 
-def perplexity_measure(texts: dict, known: dict[str, dict]):
+def perplexity_measure(texts: dict, known: dict[str, dict], measure: bool = True):
     """`ppl(model, name, measured)`: the perplexity columns of a variant's row."""
     import torch
 
@@ -565,12 +584,21 @@ def perplexity_measure(texts: dict, known: dict[str, dict]):
 
     def ppl(model, name: str | None = None, measured: float | None = 1.0) -> dict:
         """Perplexity on the held-out texts; an earlier run's figures where it measured the same variant
-        (perplexity is deterministic: prefill never takes the decode kernels)."""
+        (perplexity is deterministic: prefill never takes the decode kernels); NaN with --no-perplexity."""
         old = known.get(name)
         if old is not None and old.get("measured_flops") == measured:
             return {k: v for k, v in old.items() if k.startswith("ppl_")}
+        if not measure:  # --no-perplexity
+            return {f"ppl_{t}": float("nan") for t in texts}
+        say(f"perplexity: {name}")
         with torch.no_grad():
             return {f"ppl_{t}": perplexity(model, v, progress=False)["ppl"] for t, v in texts.items()}
+
+    def needs_model(name: str, measured: float | None) -> bool:
+        """Whether ppl(model, name, measured) reads the model (else a row need not load it)."""
+        old = known.get(name)
+        return measure and not (old is not None and old.get("measured_flops") == measured)
+    ppl.needs_model = needs_model
     return ppl
 
 
@@ -581,14 +609,21 @@ def rana_int8_dense(a, dense, tok, work: Path, log: list[str], notes: list[str],
     from rana.quantize import DEFAULT_CALIB_TOKENS, calibration_ids, quantize_model
 
     name = DENSE_RANA[activations]
+    dense_dir = work / f"{a.slug}_dense_{FORMATS[activations].lower()}"
+    if a.reuse and (dense_dir / "plan.json").exists():
+        say(f"{name}: reusing {dense_dir}")
+        sizes.append({"variant": name, "bytes": folder_bytes(dense_dir), "path": str(dense_dir)})
+        return load(dense_dir)[0]
     say(f"{name} (rana quantize_model, no sparsity)")
     rana_int8 = copy.deepcopy(dense)
-    calib_n = a.calib_tokens or DEFAULT_CALIB_TOKENS
-    ids = calibration_ids(tok, str(text_file(CALIB)), calib_n, min(a.seq_len or 512, calib_n))
-    log.append(f"rana.quantize.quantize_model(<dense {a.model}>, calibration_ids(tok, {CALIB}, {calib_n}, "
-               f"{min(a.seq_len or 512, calib_n)}), activations={activations!r})  # in process")
+    calib_n = DEFAULT_CALIB_TOKENS if a.quantize_calib_tokens is None else a.quantize_calib_tokens
+    if calib_n:
+        ids = calibration_ids(tok, str(text_file(CALIB)), calib_n, min(a.seq_len or 512, calib_n))
+        how = f"calibration_ids(tok, {CALIB}, {calib_n}, {min(a.seq_len or 512, calib_n)})"
+    else:  # --quantize-calib-tokens 0: max-abs scales, as `rana quantize --calib-tokens 0`
+        ids, how = None, "None"
+    log.append(f"rana.quantize.quantize_model(<dense {a.model}>, {how}, activations={activations!r})  # in process")
     report = quantize_model(rana_int8, ids, activations=activations)
-    dense_dir = work / f"{a.slug}_dense_{FORMATS[activations].lower()}"
     try:
         from rana.io import save
 
@@ -615,32 +650,31 @@ def torch_int8_dense(dense):
 def dense_variants(a, dense, tok, work: Path, ppl, log: list[str], notes: list[str]):
     """(perplexity rows, size rows, models by variant) of dense fp32, dense W8A16 / W8A8 (rana), dense int8 (torch)."""
     perp, sizes = [], []
-    say("perplexity: dense fp32")
     perp.append({"variant": DENSE_FP32, "flops": 1.0, "measured_flops": 1.0, **ppl(dense, DENSE_FP32)})
     sizes.append({"variant": DENSE_FP32, "bytes": param_bytes(dense), "what": "fp32 parameters (tied head once)"})
 
     models = {DENSE_FP32: dense}
     for act, name in DENSE_RANA.items():
         models[name] = rana_int8_dense(a, dense, tok, work, log, notes, sizes, act)
-        say(f"perplexity: {name}")
         perp.append({"variant": name, "flops": 1.0, "measured_flops": 1.0, **ppl(models[name], name)})
 
     torch_int8 = torch_int8_dense(dense)
-    say("perplexity: dense int8 (torch dynamic)")
     perp.append({"variant": TORCH_INT8, "flops": 1.0, "measured_flops": 1.0, **ppl(torch_int8, TORCH_INT8)})
     models[TORCH_INT8] = torch_int8
     return perp, sizes, models
 
 
-def sparse_variant(f: float, weights: str, folder: Path, ppl):
-    """(the perplexity row, the loaded model) of one compressed folder."""
+def sparse_variant(f: float, weights: str, folder: Path, ppl, timed: bool = True):
+    """(the perplexity row, the loaded model) of one compressed folder; the model is None where it is neither timed
+    nor needed for its perplexity (known from --quality-from, or --no-perplexity)."""
     from rana.io import load
 
     name = sparse_name(f, weights)
     plan = json.loads((folder / "plan.json").read_text())
-    model, _ = load(folder)
-    model.eval()
-    say(f"perplexity: {name}")
+    model = None
+    if timed or ppl.needs_model(name, plan.get("measured_flops")):
+        model, _ = load(folder)
+        model.eval()
     row = {"variant": name, "flops": f, "measured_flops": plan.get("measured_flops"),
            "measured_macs": (plan.get("measured") or {}).get("measured_macs"),  # per token, held-out tokens
            **ppl(model, name, plan.get("measured_flops"))}
@@ -659,15 +693,19 @@ def sparse_variants(a, work: Path, ppl, log: list[str], perp: list[dict], sizes:
     for f in a.flops_list:
         fp32_dir, int8_dirs, costs[f] = make_folders(a, f, work, log)
         for weights, folder in (("fp32", fp32_dir), *((FORMATS[act], d) for act, d in int8_dirs.items())):
-            row, model = sparse_variant(f, weights, folder, ppl)
+            timed = not a.no_latency and f in a.latency_flops and weights in a.latency_formats
+            row, model = sparse_variant(f, weights, folder, ppl, timed)
             perp.append(row)
             sizes.append({"variant": row["variant"], "bytes": folder_bytes(folder), "path": str(folder)})
-            models[row["variant"]] = model
+            if timed:
+                models[row["variant"]] = model
+            del model  # not timed: freed now (--latency-flops, --latency-formats)
         if round(f, 2) == TARGET_F and not a.no_latency:
             models[FLOOR] = weightless(int8_dirs["int8"], opaque=a.harness != "eager")
             if a.harness != "eager":
                 models[EAGER_FLOOR] = weightless(int8_dirs["int8"])
-                models[EAGER_ROWS[1]] = models[sparse_name(f, "W8A8")]
+                if sparse_name(f, "W8A8") in models:
+                    models[EAGER_ROWS[1]] = models[sparse_name(f, "W8A8")]
     return costs
 
 
@@ -683,7 +721,49 @@ def weightless(folder: Path, opaque: bool = False):
     model, _ = load(folder)
     model.eval()
     Floor("zeros", opaque=opaque).install(model)
+    drop_unread_weights(model)
     return model
+
+
+def drop_unread_weights(model) -> None:
+    """Empty every parameter and buffer of a weightless model's linear layers (the Floor's zero forwards never read
+    them), so a floor row holds no copy of the weights in memory (a larger model's timing then fits)."""
+    import torch
+
+    from rana.modules import MacMeter, RankSliceLinear
+    from rana.modules.int8 import Int8Linear
+
+    head = model.get_output_embeddings()
+    emb = model.get_input_embeddings().weight
+    for m in model.modules():
+        if isinstance(m, (MacMeter, RankSliceLinear, Int8Linear)) or m is head:
+            for sub in m.modules():
+                for k, p in sub._parameters.items():
+                    if p is not None and p is not emb:  # a tied head's weight is the embedding: kept
+                        sub._parameters[k] = torch.nn.Parameter(p.new_empty(0), requires_grad=False)
+                for k, b in sub._buffers.items():
+                    if b is not None:
+                        sub._buffers[k] = b.new_empty(0)
+
+
+def share_embeddings(models: dict, dense) -> int:
+    """Point every model's input embedding at dense's where the values are equal (rana folders keep the source's
+    embedding in full precision): one copy in memory instead of one per row; a lookup reads one row per token, so
+    no time changes. Returns the models changed."""
+    import torch
+
+    ref = dense.get_input_embeddings().weight
+    changed = 0
+    for model in models.values():
+        emb = model.get_input_embeddings()
+        w = emb.weight
+        if w is not ref and w.shape == ref.shape and w.dtype == ref.dtype and torch.equal(w, ref):
+            head = model.get_output_embeddings()
+            emb.weight = ref
+            if head is not None and getattr(head, "weight", None) is w:  # tied: the head keeps reading the same values
+                head.weight = ref
+            changed += 1
+    return changed
 
 
 def llama_variant(a, work: Path, log: list[str], meta: dict, sizes: list[dict], skipped: list[str]) -> Path | None:
@@ -787,10 +867,15 @@ def main(argv=None) -> None:
     meta = run_meta(a, work)
 
     dense, tok, texts = load_dense(a)
-    ppl = perplexity_measure(texts, earlier_quality(a))
+    ppl = perplexity_measure(texts, earlier_quality(a), not a.no_perplexity)
     perp, sizes, models = dense_variants(a, dense, tok, work, ppl, log, notes)
     costs = sparse_variants(a, work, ppl, log, perp, sizes, models)
     llama_path = llama_variant(a, work, log, meta, sizes, skipped)
+    if not a.no_latency:
+        shared = share_embeddings(models, dense)
+        if shared:
+            notes.append(f"memory: {shared} timed models share dense fp32's input embedding tensor (equal values; a "
+                         "lookup reads one row per token)")
     latency = decode_timings(a, models, tok, llama_path, skipped)
 
     meta["load_avg_end"] = load_avg()

@@ -44,6 +44,41 @@ def test_smoke_settings_and_refusal(bench, tmp_path):
     assert a.flops_list == [0.7] and a.extra == ["--lm-head", "dense"] and a.out is None
 
 
+def test_latency_subsets_and_quantize_calibration(bench):
+    """What a larger model's run times (--latency-flops, --latency-formats; a bad format refused) and the
+    calibration tokens of quantize alone."""
+    a = bench.parse_args(["--flops", "0.85,0.58"])
+    assert a.latency_flops == [0.85, 0.58] and a.latency_formats == list(bench.ROW_FORMATS)
+    assert a.quantize_calib_tokens is None and not a.no_perplexity
+    a = bench.parse_args(["--flops", "0.85,0.58", "--latency-flops", "0.58", "--latency-formats", "W8A16,W8A8",
+                          "--calib-tokens", "4096", "--no-perplexity"])
+    assert a.latency_flops == [0.58] and a.latency_formats == ["W8A16", "W8A8"] and a.no_perplexity
+    assert a.quantize_calib_tokens == 4096
+    assert bench.parse_args(["--quantize-calib-tokens", "8192"]).quantize_calib_tokens == 8192
+    with pytest.raises(SystemExit):
+        bench.parse_args(["--latency-formats", "int4"])
+
+
+def test_timed_models_share_one_embedding(bench):
+    """Rows whose input embedding equals dense's read dense's tensor (a tied head too); another value is kept."""
+    import copy
+
+    import torch
+    from helpers import tiny_model
+
+    dense = tiny_model("llama")
+    same, other = copy.deepcopy(dense), copy.deepcopy(dense)
+    with torch.no_grad():
+        other.get_input_embeddings().weight[0, 0] += 1.0
+    assert bench.share_embeddings({"dense": dense, "same": same, "other": other}, dense) == 1
+    ref = dense.get_input_embeddings().weight
+    assert same.get_input_embeddings().weight is ref
+    assert other.get_input_embeddings().weight is not ref
+    head = same.get_output_embeddings()
+    if dense.get_output_embeddings().weight is ref:  # tied in the tiny config
+        assert head.weight is ref
+
+
 def _fake(bench, model="smollm2-135m"):
     rows = {
         bench.DENSE_FP32: {"ms_per_token": 50.0, "decode_tokens_per_s": 20.0},
