@@ -10,7 +10,7 @@ weights with float and int8 activations) and for SmolLM2-135M compressed at F = 
   per step: each row masked on its own, then the GEMM);
 - SmolLM2: its teacher-forced predictions on held-out text are as close to rana.load's as rana.load's are to
   themselves under a 1e-6 rounding perturbation (why not bit for bit: the comment above those tests);
-- in eager and compiled mode (vLLM's default: Dynamo traces `apply` once), in float32 and bfloat16, and over two
+- in eager and compiled mode (vLLM's default: Dynamo traces `apply` once), in float32, bfloat16 and float16, and over two
   tensor-parallel ranks;
 - a kind vLLM cannot serve, and LAuReL residuals, end the load with one line naming them;
 - an OpenAI server on 127.0.0.1 streams the completion offline greedy decoding gives (bounded, always stopped).
@@ -115,20 +115,21 @@ def test_tiny_compiled_equals_rana_load(exports, name):
     assert_same(res["outputs"], [want[0], *want])
 
 
-@pytest.mark.parametrize("name", ["llama", "qwen2_paper", "qwen2_w8a8"])
-def test_tiny_bfloat16_matches_rana_load(exports, name):
-    """bf16 weights and activations (thresholds stay float32 on both sides) against rana.load in bf16, teacher-
-    forced over 64 random tokens. bf16's rounding (0.4 % per step) moves values across thresholds and a tiny
-    random model's top two logits are close, so the check is rana.load's own bf16 floor: vLLM's top-1 agrees with
-    rana.load-bf16's at least as often (less 5 points) as rana.load-fp32's does, and the median |logit
-    difference| stays within 0.05."""
+@pytest.mark.parametrize("dtype,name", [("bfloat16", "llama"), ("bfloat16", "qwen2_paper"), ("bfloat16", "qwen2_w8a8"),
+                                        ("float16", "llama"), ("float16", "qwen2_w8a8")])
+def test_tiny_half_precision_matches_rana_load(exports, dtype, name):
+    """bf16 / fp16 weights and activations (thresholds stay float32 on both sides) against rana.load in the same
+    dtype, teacher-forced over 64 random tokens. Half-precision rounding (bf16: 0.4 % per step) moves values across
+    thresholds and a tiny random model's top two logits are close, so the check is rana.load's own floor in that
+    dtype: vLLM's top-1 agrees with rana.load's at least as often (less 5 points) as rana.load-fp32's does, and
+    the median |logit difference| stays within 0.05."""
     import rana.io as rio
 
     folder = exports[name]
     window = torch.randint(0, 257, (64,), generator=torch.Generator().manual_seed(5)).tolist()
-    job = {"folder": str(folder), "mode": "eager", "teacher_forced": [window], "dtype": "bfloat16"}
+    job = {"folder": str(folder), "mode": "eager", "teacher_forced": [window], "dtype": dtype}
     got = _run_job(job, folder.parent)["outputs"][0]
-    model, _ = rio.load(folder.parent / f"{folder.name}.rana", dtype=torch.bfloat16)
+    model, _ = rio.load(folder.parent / f"{folder.name}.rana", dtype=getattr(torch, dtype))
     ref = _teacher_forced(model.eval(), window)
     fp32, _ = rio.load(folder.parent / f"{folder.name}.rana")
     floor = (_teacher_forced(fp32.eval(), window).argmax(-1) == ref.argmax(-1)).float().mean().item()
