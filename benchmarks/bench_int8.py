@@ -602,18 +602,24 @@ def perplexity_measure(texts: dict, known: dict[str, dict], measure: bool = True
     return ppl
 
 
-def rana_int8_dense(a, dense, tok, work: Path, log: list[str], notes: list[str], sizes: list[dict], activations: str):
-    """int8 dense through rana's own int8 path (no sparsity), calibrated like `rana quantize`, its tokens multiplied
-    as `activations` says; saved and loaded back as a rana folder (its size row is appended to `sizes`)."""
-    from rana.io import load
+def dense_int8_dir(a, work: Path, activations: str) -> Path:
+    return work / f"{a.slug}_dense_{FORMATS[activations].lower()}"
+
+
+def make_dense_int8(a, dense, tok, work: Path, log: list[str], activations: str):
+    """The dense model through rana's own int8 path (no sparsity), calibrated like `rana quantize`, its tokens
+    multiplied as `activations` says, saved as a rana folder (kept with --reuse). Returns None, or the in-process
+    model where it could not be saved (with why). Nothing of it stays in memory otherwise: a larger model's run
+    loads the folders only once every one is made."""
+    import gc
+
+    from rana.io import save
     from rana.quantize import DEFAULT_CALIB_TOKENS, calibration_ids, quantize_model
 
-    name = DENSE_RANA[activations]
-    dense_dir = work / f"{a.slug}_dense_{FORMATS[activations].lower()}"
+    name, dense_dir = DENSE_RANA[activations], dense_int8_dir(a, work, activations)
     if a.reuse and (dense_dir / "plan.json").exists():
         say(f"{name}: reusing {dense_dir}")
-        sizes.append({"variant": name, "bytes": folder_bytes(dense_dir), "path": str(dense_dir)})
-        return load(dense_dir)[0]
+        return None
     say(f"{name} (rana quantize_model, no sparsity)")
     rana_int8 = copy.deepcopy(dense)
     calib_n = DEFAULT_CALIB_TOKENS if a.quantize_calib_tokens is None else a.quantize_calib_tokens
@@ -625,16 +631,13 @@ def rana_int8_dense(a, dense, tok, work: Path, log: list[str], notes: list[str],
     log.append(f"rana.quantize.quantize_model(<dense {a.model}>, {how}, activations={activations!r})  # in process")
     report = quantize_model(rana_int8, ids, activations=activations)
     try:
-        from rana.io import save
-
         save(rana_int8, tok, dense_dir, plan={"weights": "int8", "quantization": report}, overwrite=True)
-        rana_int8, _ = load(dense_dir)
-        sizes.append({"variant": name, "bytes": folder_bytes(dense_dir), "path": str(dense_dir)})
-    except Exception as e:  # noqa: BLE001 - the size falls back to the tensors' bytes
-        notes.append(f"{name} could not be saved as a rana folder ({type(e).__name__}: {e}); its size is "
-                     "its tensors' bytes")
-        sizes.append({"variant": name, "bytes": param_bytes(rana_int8), "what": "tensor bytes"})
-    return rana_int8
+    except Exception as e:  # noqa: BLE001 - the row is kept in process, its size the tensors' bytes
+        return rana_int8, f"{name} could not be saved as a rana folder ({type(e).__name__}: {e}); its size is its " \
+                          "tensors' bytes"
+    del rana_int8
+    gc.collect()
+    return None
 
 
 def torch_int8_dense(dense):
@@ -653,12 +656,24 @@ def dense_variants(a, dense, tok, work: Path, ppl, log: list[str], notes: list[s
     perp.append({"variant": DENSE_FP32, "flops": 1.0, "measured_flops": 1.0, **ppl(dense, DENSE_FP32)})
     sizes.append({"variant": DENSE_FP32, "bytes": param_bytes(dense), "what": "fp32 parameters (tied head once)"})
 
-    models = {DENSE_FP32: dense}
-    for act, name in DENSE_RANA.items():
-        models[name] = rana_int8_dense(a, dense, tok, work, log, notes, sizes, act)
-        perp.append({"variant": name, "flops": 1.0, "measured_flops": 1.0, **ppl(models[name], name)})
+    from rana.io import load
 
+    models = {DENSE_FP32: dense}
+    # every copy of dense is made before any int8 model is loaded: a 1.5B model's copies would not fit beside them
     torch_int8 = torch_int8_dense(dense)
+    share_embeddings({TORCH_INT8: torch_int8}, dense)
+    kept = {act: make_dense_int8(a, dense, tok, work, log, act) for act in DENSE_RANA}
+    for act, name in DENSE_RANA.items():
+        if kept[act] is not None:
+            models[name], why = kept[act]
+            notes.append(why)
+            sizes.append({"variant": name, "bytes": param_bytes(models[name]), "what": "tensor bytes"})
+        else:
+            folder = dense_int8_dir(a, work, act)
+            models[name] = load(folder)[0]
+            sizes.append({"variant": name, "bytes": folder_bytes(folder), "path": str(folder)})
+        share_embeddings({name: models[name]}, dense)
+        perp.append({"variant": name, "flops": 1.0, "measured_flops": 1.0, **ppl(models[name], name)})
     perp.append({"variant": TORCH_INT8, "flops": 1.0, "measured_flops": 1.0, **ppl(torch_int8, TORCH_INT8)})
     models[TORCH_INT8] = torch_int8
     return perp, sizes, models
@@ -699,6 +714,7 @@ def sparse_variants(a, work: Path, ppl, log: list[str], perp: list[dict], sizes:
             sizes.append({"variant": row["variant"], "bytes": folder_bytes(folder), "path": str(folder)})
             if timed:
                 models[row["variant"]] = model
+                share_embeddings({row["variant"]: model}, models[DENSE_FP32])  # at once: the next load's peak
             del model  # not timed: freed now (--latency-flops, --latency-formats)
         if round(f, 2) == TARGET_F and not a.no_latency:
             models[FLOOR] = weightless(int8_dirs["int8"], opaque=a.harness != "eager")
@@ -706,6 +722,7 @@ def sparse_variants(a, work: Path, ppl, log: list[str], perp: list[dict], sizes:
                 models[EAGER_FLOOR] = weightless(int8_dirs["int8"])
                 if sparse_name(f, "W8A8") in models:
                     models[EAGER_ROWS[1]] = models[sparse_name(f, "W8A8")]
+            share_embeddings({n: models[n] for n in (FLOOR, EAGER_FLOOR) if n in models}, models[DENSE_FP32])
     return costs
 
 
