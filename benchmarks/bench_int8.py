@@ -717,50 +717,61 @@ def sparse_variants(a, work: Path, ppl, log: list[str], perp: list[dict], sizes:
                 share_embeddings({row["variant"]: model}, models[DENSE_FP32])  # at once: the next load's peak
             del model  # not timed: freed now (--latency-flops, --latency-formats)
         if round(f, 2) == TARGET_F and not a.no_latency:
-            models[FLOOR] = weightless(int8_dirs["int8"], opaque=a.harness != "eager")
+            like = models.get(sparse_name(f, "W8A8"))
+            models[FLOOR] = weightless(int8_dirs["int8"], opaque=a.harness != "eager", like=like)
             if a.harness != "eager":
-                models[EAGER_FLOOR] = weightless(int8_dirs["int8"])
+                models[EAGER_FLOOR] = weightless(int8_dirs["int8"], like=like)
                 if sparse_name(f, "W8A8") in models:
                     models[EAGER_ROWS[1]] = models[sparse_name(f, "W8A8")]
             share_embeddings({n: models[n] for n in (FLOOR, EAGER_FLOOR) if n in models}, models[DENSE_FP32])
     return costs
 
 
-def weightless(folder: Path, opaque: bool = False):
+def weightless(folder: Path, opaque: bool = False, like=None):
     """The model of `folder` with every adapter, Int8Linear and the LM head returning zeros of their output shape
     (bench_decode_profile.Floor): a decode step that reads no weight of any linear layer. Its time is what
     transformers' step and the harness cost on their own, the floor under every row of the table. `opaque` (a compiled
-    harness): the zeros come from a registered op, so the compiler cannot delete the work they would hide."""
+    harness): the zeros come from a registered op, so the compiler cannot delete the work they would hide. `like`:
+    that folder's model already loaded, copied without the weights the zeros never read (and sharing its input
+    embedding) instead of loading the folder again: a larger model's floor then costs no second copy in memory."""
     from bench_decode_profile import Floor
 
     from rana.io import load
 
-    model, _ = load(folder)
+    if like is None:
+        model, _ = load(folder)
+    else:
+        import torch
+
+        memo = {id(t): torch.nn.Parameter(t.new_empty(0), requires_grad=False) if isinstance(t, torch.nn.Parameter)
+                else t.new_empty(0) for t in unread_weights(like)}
+        emb = like.get_input_embeddings().weight
+        model = copy.deepcopy(like, memo | {id(emb): emb})
     model.eval()
     Floor("zeros", opaque=opaque).install(model)
-    drop_unread_weights(model)
+    empty = {id(t) for t in unread_weights(model)}
+    for sub in model.modules():  # (a loaded model's weights: emptied here)
+        for store in (sub._parameters, sub._buffers):
+            for k, t in store.items():
+                if t is not None and id(t) in empty and t.numel():
+                    store[k] = t.new_empty(0) if store is sub._buffers else \
+                        type(t)(t.new_empty(0), requires_grad=False)
     return model
 
 
-def drop_unread_weights(model) -> None:
-    """Empty every parameter and buffer of a weightless model's linear layers (the Floor's zero forwards never read
-    them), so a floor row holds no copy of the weights in memory (a larger model's timing then fits)."""
-    import torch
-
+def unread_weights(model) -> list:
+    """The parameters and buffers of a model's adapters, int8 linears and LM head: what a weightless (Floor) copy
+    never reads. A tied head's weight, the input embedding, is not one of them."""
     from rana.modules import MacMeter, RankSliceLinear
     from rana.modules.int8 import Int8Linear
 
     head = model.get_output_embeddings()
     emb = model.get_input_embeddings().weight
+    out = []
     for m in model.modules():
         if isinstance(m, (MacMeter, RankSliceLinear, Int8Linear)) or m is head:
-            for sub in m.modules():
-                for k, p in sub._parameters.items():
-                    if p is not None and p is not emb:  # a tied head's weight is the embedding: kept
-                        sub._parameters[k] = torch.nn.Parameter(p.new_empty(0), requires_grad=False)
-                for k, b in sub._buffers.items():
-                    if b is not None:
-                        sub._buffers[k] = b.new_empty(0)
+            out += [t for t in (*m.parameters(), *m.buffers()) if t is not emb]
+    return out
 
 
 def share_embeddings(models: dict, dense) -> int:
