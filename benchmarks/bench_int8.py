@@ -558,6 +558,8 @@ def run_meta(a, work: Path) -> dict:
             "torch": f"{torch.__version__} (quantized engine {torch.backends.quantized.engine})",
             "transformers": transformers.__version__, "load_avg_start": load_avg(),
             "calibration": f"{CALIB}, {a.calib_tokens or 'rana default'} tokens, seq {a.seq_len or 'rana default'}",
+            "quantize_calibration": ("rana quantize's default" if a.quantize_calib_tokens is None else
+                                     f"{a.quantize_calib_tokens} tokens"),
             "eval": f"first {a.eval_tokens} tokens of each of {', '.join(t + '.txt' for t in TEXTS)}, non-overlapping "
                     "512-token windows (rana protocol)",
             "int8_via": a.int8_via, "work": str(work), "quality_from": a.quality_from, "harness": a.harness,
@@ -801,7 +803,7 @@ def llama_variant(a, work: Path, log: list[str], meta: dict, sizes: list[dict], 
     src = resolve(a.model)
     llama_path = None
     if src.gguf_file:
-        sizes.append({"variant": "source GGUF (Q4_1)", "bytes": (Path(src.path) / src.gguf_file).stat().st_size,
+        sizes.append({"variant": f"source GGUF ({src.gguf_file})", "bytes": (Path(src.path) / src.gguf_file).stat().st_size,
                       "path": str(Path(src.path) / src.gguf_file)})
     if a.no_llama:
         skipped.append("llama.cpp Q8_0 row: --no-llama")
@@ -828,11 +830,32 @@ def decode_timings(a, models: dict, tok, llama_path: Path | None, skipped: list[
     return latency
 
 
+def run_notes(a) -> list[str]:
+    """What this run's options changed from the protocol above (the first Notes)."""
+    notes = []
+    if a.quantize_calib_tokens == 0:
+        notes.append("--quantize-calib-tokens 0: the int8 folders made by this run have max-abs scales and keep the "
+                     "fp32 folder's thresholds (no calibration): their decode times are what any int8 folder of these "
+                     "kept fractions takes, their perplexities are not the default calibration's (a folder reused "
+                     "from --work keeps the calibration it was made with)")
+    elif a.quantize_calib_tokens:
+        notes.append(f"--quantize-calib-tokens {a.quantize_calib_tokens}: the int8 scales and threshold refit of this "
+                     "run's int8 folders use that many calibration tokens")
+    if a.no_perplexity:
+        notes.append("--no-perplexity: perplexities only from --quality-from ('—' elsewhere)")
+    untimed = [f for f in a.flops_list if f not in a.latency_flops]
+    if not a.no_latency and (untimed or list(a.latency_formats) != list(ROW_FORMATS)):
+        notes.append(f"sparse rows timed: F {', '.join(f'{f:.2f}' for f in a.latency_flops)}, formats "
+                     f"{', '.join(a.latency_formats)} (--latency-flops / --latency-formats: the rest measured for "
+                     "quality only, so the timed models fit in memory)")
+    return notes
+
+
 def method_notes(a) -> list[str]:
     """How each row was made and measured (the Notes of the tables)."""
     import torch
 
-    return [
+    return run_notes(a) + [
         "fp32 sparse = `rana compress` output; W8A16 / W8A8 sparse = `rana quantize` of that same folder with "
         "`--activations float` / `--activations int8` (same adapters; thresholds refit on the quantized model, which "
         "decodes as it will be run)",
@@ -851,8 +874,8 @@ def method_notes(a) -> list[str]:
            "alignment asserts) called in a bare loop; each row's `harness` in the JSON says how it ran)")
         + ", all variants interleaved in one process, the order rotating each round; 'tokens_equal_to_dense_fp32' in "
         "the JSON says how many greedy tokens agree with dense fp32",
-        "llama.cpp Q8_0 = the package's Q4_1 GGUF requantized to Q8_0 by llama.cpp's own llama_model_quantize "
-        "(allow_requantize): the same weight values rana's fp32 model holds (the Q4_1 values, dequantised), rounded "
+        "llama.cpp Q8_0 = the source GGUF (its size row) requantized to Q8_0 by llama.cpp's own llama_model_quantize "
+        "(allow_requantize): the same weight values rana's fp32 model holds (the source's values, dequantised), rounded "
         "to Q8_0 blocks; same prompt token ids, greedy (top_k 1, temperature 0), same token count, n_threads = "
         "n_threads_batch = the row's thread count; llama-cpp-python's `Llama.generate` loop, timed the same way (full minus 1-token run)",
         "llama.cpp is a benchmark anchor only, never a rana dependency; to get the row: pip install llama-cpp-python "
