@@ -222,9 +222,10 @@ def _event_totals(events, device_type) -> tuple[dict[str, float], int]:
 def profile_step(model, prompt, new_tokens: int, steps: int, kwargs, device) -> dict:
     """Where one compiled decode step's time goes (the step harness's step, warmed and replayed).
 
-    The runner has the step harness's own cache length (prompt + `new_tokens`), so its step is the graph that
-    harness compiled: a cache of another length would recompile it (with dynamic shapes). `compile_events`
-    counts what did compile here (0 graphs when the harness's compiled step was reused).
+    The runner has the step harness's own cache length (prompt + `new_tokens`) and compiles its own step, as every
+    step-harness runner does (one graph: rana.evaluation.decode_step gives each compiled step a code object of its
+    own and no guards on the model). `compile_events` counts what compiled here: 1 graph, more if a replay
+    recompiled.
 
     Per token: device time by class (on CUDA, GPU kernel time; on CPU, operator self time), kernels, the
     host time of a step call (it returns once its work is queued: far below the device time when the step
