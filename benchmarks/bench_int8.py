@@ -587,8 +587,8 @@ def perplexity_measure(texts: dict, known: dict[str, dict], measure: bool = True
     def ppl(model, name: str | None = None, measured: float | None = 1.0) -> dict:
         """Perplexity on the held-out texts; an earlier run's figures where it measured the same variant
         (perplexity is deterministic: prefill never takes the decode kernels); NaN with --no-perplexity."""
-        old = known.get(name)
-        if old is not None and old.get("measured_flops") == measured:
+        old = kept(name, measured)
+        if old is not None:
             return {k: v for k, v in old.items() if k.startswith("ppl_")}
         if not measure:  # --no-perplexity
             return {f"ppl_{t}": float("nan") for t in texts}
@@ -596,10 +596,14 @@ def perplexity_measure(texts: dict, known: dict[str, dict], measure: bool = True
         with torch.no_grad():
             return {f"ppl_{t}": perplexity(model, v, progress=False)["ppl"] for t, v in texts.items()}
 
+    def kept(name: str | None, measured: float | None) -> dict | None:
+        """The earlier run's row of this variant at this measured F, if it has one."""
+        old = known.get(name)
+        return old if old is not None and old.get("measured_flops") == measured else None
+
     def needs_model(name: str, measured: float | None) -> bool:
         """Whether ppl(model, name, measured) reads the model (else a row need not load it)."""
-        old = known.get(name)
-        return measure and not (old is not None and old.get("measured_flops") == measured)
+        return measure and kept(name, measured) is None
     ppl.needs_model = needs_model
     return ppl
 
@@ -922,8 +926,9 @@ def main(argv=None) -> None:
     perp, sizes, models = dense_variants(a, dense, tok, work, ppl, log, notes)
     costs = sparse_variants(a, work, ppl, log, perp, sizes, models)
     llama_path = llama_variant(a, work, log, meta, sizes, skipped)
-    if not a.no_latency:
-        shared = share_embeddings(models, dense)
+    if not a.no_latency:  # (each model's embedding was shared as it was loaded)
+        ref = dense.get_input_embeddings().weight
+        shared = sum(m is not dense and m.get_input_embeddings().weight is ref for m in set(models.values()))
         if shared:
             notes.append(f"memory: {shared} timed models share dense fp32's input embedding tensor (equal values; a "
                          "lookup reads one row per token)")
