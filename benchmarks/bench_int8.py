@@ -5,7 +5,8 @@ Qwen2.5-Coder-1.5B) at F = 0.85 / 0.70 / 0.58:
 
 - `rana compress smollm2-135m --flops F` (fp32 sparse), then `rana quantize` of that folder twice, in its own
   process each: `--activations float` (W8A16: fp32 tokens times int8 weights) and `--activations int8` (W8A8: the
-  kept inputs quantized per block of 64, int8 × int8 sums) (`--int8-via compress` is refused: it writes one format);
+  kept inputs quantized per block of `--activation-block` inputs, rana's default unless given, int8 × int8 sums)
+  (`--int8-via compress` is refused: it writes one format);
 - int8 dense: the dense model through rana's int8 path with no sparsity (`rana.quantize.quantize_model`,
   calibrated on the same text), W8A16 and W8A8;
 - perplexity on held-out text (pydoc_heldout.txt, shakespeare.txt; calibration is pydoc_calib.txt, never
@@ -120,11 +121,29 @@ def make_folders(a, f: float, work: Path, log: list[str]) -> tuple[Path, dict[st
     int8 = {}
     for act, fmt in FORMATS.items():
         int8[act] = folder = work / f"{a.slug}_rana_{round(f * 100)}_{fmt.lower()}"
-        if a.reuse and (folder / "plan.json").exists():
+        if reusable(a, folder, act):
             continue
-        wall[f"{fmt}_s"] = run_rana(["quantize", str(fp32), "--weights", "int8", "--activations", act, "--out",
-                                     str(folder), *quantize_calib, "--overwrite"], log)
+        block = ["--activation-block", str(a.block)] if act == "int8" else []
+        wall[f"{fmt}_s"] = run_rana(["quantize", str(fp32), "--weights", "int8", "--activations", act, *block,
+                                     "--out", str(folder), *quantize_calib, "--overwrite"], log)
     return fp32, int8, wall
+
+
+def activation_format(folder: Path) -> dict:
+    """An int8 folder's recorded activation format: {"activations", "activation_block" (W8A8; 64 where a folder
+    written before the setting records none)}."""
+    int8 = json.loads((Path(folder) / "rana_config.json").read_text()).get("int8") or {}
+    act = int8.get("activations") or "float"
+    return {"activations": act, **({"activation_block": int8.get("activation_block") or 64} if act == "int8" else {})}
+
+
+def reusable(a, folder: Path, activations: str) -> bool:
+    """--reuse and `folder` complete with the activation format this run makes (a W8A8 folder of another block is
+    made again)."""
+    if not (a.reuse and (folder / "plan.json").exists()):
+        return False
+    have = activation_format(folder)
+    return have["activations"] == activations and have.get("activation_block", a.block) == a.block
 
 
 def folder_bytes(folder: Path) -> int:
@@ -486,6 +505,8 @@ def parse_args(argv=None):
                     help="calibration tokens of `rana quantize` and the dense int8 rows only (default: --calib-tokens, "
                          "else rana quantize's default; 0: max-abs scales, thresholds kept); decode times do not "
                          "depend on it")
+    ap.add_argument("--activation-block", type=int, default=None,
+                    help="W8A8 folders' activation block (`rana quantize --activation-block`; default rana's)")
     ap.add_argument("--work", default=None, help="folder for the compressed models (default: a temp dir)")
     ap.add_argument("--reuse", action="store_true", help="reuse complete folders already in --work")
     ap.add_argument("--quality-from", default=None,
@@ -518,6 +539,10 @@ def parse_args(argv=None):
         ap.error(f"--latency-formats takes {', '.join(ROW_FORMATS)}")
     if a.quantize_calib_tokens is None:
         a.quantize_calib_tokens = a.calib_tokens
+    from rana.quantize.config import DEFAULT_ACTIVATION_BLOCK, MAX_ACTIVATION_BLOCK  # torch-free
+    a.block = DEFAULT_ACTIVATION_BLOCK if a.activation_block is None else a.activation_block
+    if not 1 <= a.block <= MAX_ACTIVATION_BLOCK:
+        ap.error(f"--activation-block takes 1 to {MAX_ACTIVATION_BLOCK}")
     a.threads_list = [int(x) for x in a.threads.split(",")]
     a.slug = "smollm2" if a.model == "smollm2-135m" else Path(a.model).name.replace(".", "p").lower()
     return a
@@ -533,7 +558,10 @@ def earlier_quality(a) -> dict[str, dict]:
             and earlier["meta"].get("model", "").startswith(a.model))
     if not same:
         raise SystemExit(f"--quality-from {a.quality_from}: another model or eval length; nothing to keep")
-    return {r["variant"]: r for r in earlier["perplexity"]}
+    rows = {r["variant"]: r for r in earlier["perplexity"]}
+    if earlier["meta"].get("activation_block", 64) != a.block:  # runs before the setting: blocks of 64
+        rows = {v: r for v, r in rows.items() if "W8A8" not in v}  # another W8A8 format: measured again
+    return rows
 
 
 def offline_and_quiet() -> None:
@@ -560,6 +588,7 @@ def run_meta(a, work: Path) -> dict:
             "calibration": f"{CALIB}, {a.calib_tokens or 'rana default'} tokens, seq {a.seq_len or 'rana default'}",
             "quantize_calibration": ("rana quantize's default" if a.quantize_calib_tokens is None else
                                      f"{a.quantize_calib_tokens} tokens"),
+            "activation_block": a.block,
             "eval": f"first {a.eval_tokens} tokens of each of {', '.join(t + '.txt' for t in TEXTS)}, non-overlapping "
                     "512-token windows (rana protocol)",
             "int8_via": a.int8_via, "work": str(work), "quality_from": a.quality_from, "harness": a.harness,
@@ -623,7 +652,7 @@ def make_dense_int8(a, dense, tok, work: Path, log: list[str], activations: str)
     from rana.quantize import DEFAULT_CALIB_TOKENS, calibration_ids, quantize_model
 
     name, dense_dir = DENSE_RANA[activations], dense_int8_dir(a, work, activations)
-    if a.reuse and (dense_dir / "plan.json").exists():
+    if reusable(a, dense_dir, activations):
         say(f"{name}: reusing {dense_dir}")
         return None
     say(f"{name} (rana quantize_model, no sparsity)")
@@ -634,8 +663,9 @@ def make_dense_int8(a, dense, tok, work: Path, log: list[str], activations: str)
         how = f"calibration_ids(tok, {CALIB}, {calib_n}, {min(a.seq_len or 512, calib_n)})"
     else:  # --quantize-calib-tokens 0: max-abs scales, as `rana quantize --calib-tokens 0`
         ids, how = None, "None"
-    log.append(f"rana.quantize.quantize_model(<dense {a.model}>, {how}, activations={activations!r})  # in process")
-    report = quantize_model(rana_int8, ids, activations=activations)
+    log.append(f"rana.quantize.quantize_model(<dense {a.model}>, {how}, activations={activations!r}, "
+               f"activation_block={a.block})  # in process")
+    report = quantize_model(rana_int8, ids, activations=activations, activation_block=a.block)
     try:
         save(rana_int8, tok, dense_dir, plan={"weights": "int8", "quantization": report}, overwrite=True)
     except Exception as e:  # noqa: BLE001 - the row is kept in process, its size the tensors' bytes
@@ -864,7 +894,7 @@ def method_notes(a) -> list[str]:
         "`--activations float` / `--activations int8` (same adapters; thresholds refit on the quantized model, which "
         "decodes as it will be run)",
         "W8A16 = int8 weights (per output channel) times fp32 tokens; W8A8 = the same weights times each token's kept "
-        "inputs quantized to int8 per block of 64 input positions (one fp32 scale each, symmetric, round half to even, "
+        f"inputs quantized to int8 per block of {a.block} input positions (one fp32 scale each, symmetric, round half to even, "
         "as llama.cpp's Q8_0 activations), int8 × int8 sums in int32 (AVX-512 VNNI / AVX2 / portable C)",
         "dense W8A16 / W8A8 (rana) = the dense model through rana.quantize.quantize_model (every decoder linear and the "
         "LM head int8, per output channel, calibrated on the same text), no sparsity",

@@ -259,9 +259,10 @@ static int64_t rana_masked_i8(const int8_t* __restrict w, const float* __restric
 }
 
 /* ---------------------------------------------------------------------------------------------------------------
-   int8 weights x int8 activations (W8A8). A token's kept inputs are quantized per block of RANA_A8_BLOCK input
-   positions (block b holds inputs [64b, 64b + 64), the last one fewer): s_b = max |x_k| over the block's kept
-   nonzero inputs / 127, q_k = rint(x_k * (127 / max)) (fp32, round half to even, within +-127), symmetric, one
+   int8 weights x int8 activations (W8A8). A token's kept inputs are quantized per block of B input positions, B
+   the operands' `block` (1..RANA_A8_BLOCK_MAX; block b holds inputs [Bb, Bb + B), the last one fewer), a setting
+   of the int8 folder: smaller blocks follow the activations' range more closely and flush their int32 sums
+   into fp32 more often. s_b = max |x_k| over the block's kept nonzero inputs / 127, q_k = rint(x_k * (127 / max)) (fp32, round half to even, within +-127), symmetric, one
    fp32 scale per block, as llama.cpp's Q8_0 activations. Then, per output n,
 
        y[n] = qscale[n] * sum_b s_b * (sum over the block's kept k of q_k * w[k, n])   (+ bias)
@@ -279,7 +280,7 @@ static int64_t rana_masked_i8(const int8_t* __restrict w, const float* __restric
    block ends. Which loop runs is the operands' `isa`: Python asks rana_a8_isa_best() (what this CPU and build
    can run) and may choose a narrower one (RANA_CPU_ISA, tests).
    --------------------------------------------------------------------------------------------------------------- */
-#define RANA_A8_BLOCK 64
+#define RANA_A8_BLOCK_MAX 64  /* the widest block (llama.cpp's Q8_0 takes 32) */
 #ifndef RANA_A8_AHEAD
 #define RANA_A8_AHEAD 16       /* rows prefetched ahead of the group being summed */
 #endif
@@ -310,15 +311,18 @@ typedef struct {
     int64_t* start;   /* per block b: its groups are [start[b], start[b + 1]) */
     float* bscale;    /* per block: s_b */
     int32_t* bcorr;   /* per block: 128 * the sum of its codes (the VNNI loop's offset) */
-    int64_t cap;      /* the K it was sized for */
+    int64_t groups_cap, blocks_cap;  /* what it was sized for */
 } rana_a8_tokens;
 
-static __thread rana_a8_tokens rana_a8_buf = {0, 0, 0, 0, 0, 0};
+static __thread rana_a8_tokens rana_a8_buf = {0, 0, 0, 0, 0, 0, 0};
 
-static rana_a8_tokens* rana_a8_scratch(int64_t K) {
+/* The calling thread's scratch for a token of K inputs in blocks of `block`, grown (never shrunk) as needed. */
+static rana_a8_tokens* rana_a8_scratch(int64_t K, int64_t block) {
     rana_a8_tokens* s = &rana_a8_buf;
-    if (K > s->cap) {
-        const int64_t blocks = (K + RANA_A8_BLOCK - 1) / RANA_A8_BLOCK, groups = K / 4 + blocks + 1;
+    int64_t blocks = (K + block - 1) / block, groups = K / 4 + blocks + 1;  /* a block of n: ceil(n / 4) groups */
+    if (groups > s->groups_cap || blocks > s->blocks_cap) {
+        if (groups < s->groups_cap) groups = s->groups_cap;
+        if (blocks < s->blocks_cap) blocks = s->blocks_cap;
         int32_t* rows = (int32_t*)malloc((size_t)(4 * groups) * sizeof(int32_t));
         int32_t* words = (int32_t*)malloc((size_t)groups * sizeof(int32_t));
         int64_t* start = (int64_t*)malloc((size_t)(blocks + 1) * sizeof(int64_t));
@@ -330,21 +334,22 @@ static rana_a8_tokens* rana_a8_scratch(int64_t K) {
         }
         free(s->rows); free(s->words); free(s->start); free(s->bscale); free(s->bcorr);
         s->rows = rows; s->words = words; s->start = start; s->bscale = bscale; s->bcorr = bcorr;
-        s->cap = K;
+        s->groups_cap = groups;
+        s->blocks_cap = blocks;
     }
     return s;
 }
 
 /* Scan, mask and quantize one token into s. Returns the kept count; *finite 0 when a kept input is inf / NaN. */
-static int64_t rana_a8_quantize(const float* __restrict x, int64_t K, float t, int mode, const float* __restrict scale,
-                                rana_a8_tokens* __restrict s, int* finite) {
-    const int64_t blocks = (K + RANA_A8_BLOCK - 1) / RANA_A8_BLOCK;
+static int64_t rana_a8_quantize(const float* __restrict x, int64_t K, int64_t block, float t, int mode,
+                                const float* __restrict scale, rana_a8_tokens* __restrict s, int* finite) {
+    const int64_t blocks = (K + block - 1) / block;
     int64_t g = 0, kept = 0;
-    float vals[RANA_A8_BLOCK];
-    int32_t ks[RANA_A8_BLOCK];
+    float vals[RANA_A8_BLOCK_MAX];
+    int32_t ks[RANA_A8_BLOCK_MAX];
     *finite = 1;
     for (int64_t b = 0; b < blocks; ++b) {
-        const int64_t k0 = b * RANA_A8_BLOCK, k1 = k0 + RANA_A8_BLOCK < K ? k0 + RANA_A8_BLOCK : K;
+        const int64_t k0 = b * block, k1 = k0 + block < K ? k0 + block : K;
         int n = 0;
         float amax = 0.0f;
         for (int64_t k = k0; k < k1; ++k) {
@@ -600,17 +605,19 @@ static void rana_a8_range(const int8_t* __restrict w, const float* __restrict qs
 
 __attribute__((noinline))
 static int64_t rana_masked_a8(const int8_t* __restrict w, const float* __restrict qscale, const float* __restrict x,
-                              int64_t K, int64_t N, int64_t ldw, float t, int mode, const float* __restrict scale,
-                              const float* __restrict bias, float* __restrict y, int isa, int threads) {
-    rana_a8_tokens* s = rana_a8_scratch(K);
+                              int64_t K, int64_t N, int64_t ldw, int64_t block, float t, int mode,
+                              const float* __restrict scale, const float* __restrict bias, float* __restrict y,
+                              int isa, int threads) {
+    if (block < 1 || block > RANA_A8_BLOCK_MAX) return -1;  /* Python binds 1..RANA_A8_BLOCK_MAX only */
+    rana_a8_tokens* s = rana_a8_scratch(K, block);
     if (!s) return -1;
     int finite;
-    const int64_t kept = rana_a8_quantize(x, K, t, mode, scale, s, &finite);
+    const int64_t kept = rana_a8_quantize(x, K, block, t, mode, scale, s, &finite);
     if (!finite) {  /* an inf / NaN input: no scale quantizes it; the output is NaN, as a float product's */
         for (int64_t j = 0; j < N; ++j) y[j] = __builtin_nanf("");
         return kept;
     }
-    const int64_t blocks = (K + RANA_A8_BLOCK - 1) / RANA_A8_BLOCK;
+    const int64_t blocks = (K + block - 1) / block;
 #ifdef _OPENMP
     if (threads > 1 && N >= 128 * threads) {
         #pragma omp parallel num_threads(threads)
@@ -636,6 +643,7 @@ typedef struct {
     int64_t K, N, ldw;
     int64_t mode;
     int64_t isa;          /* int8 activations: the inner loop (RANA_ISA_*, at most rana_a8_isa_best()) */
+    int64_t block;        /* int8 activations: the inputs quantized per scale (1..RANA_A8_BLOCK_MAX) */
 } rana_operands;
 
 /* The entry points: y = op's masked GEMV of the token x at threshold t; the kept count, or -1 when no index
@@ -660,12 +668,12 @@ int64_t rana_masked_gemv_i8(const rana_operands* __restrict op, const float* __r
 }
 
 /* int8 weights x int8 activations (W8A8): the same five arguments as rana_masked_gemv_i8; the kept inputs are
-   quantized per block of RANA_A8_BLOCK positions (rana_a8_quantize) and multiplied int8 x int8 with int32 sums
-   by the operands' `isa` loop. Returns the kept count, or -1 when no scratch could be allocated. */
+   quantized per block of the operands' `block` positions (rana_a8_quantize) and multiplied int8 x int8 with int32
+   sums by the operands' `isa` loop. Returns the kept count, or -1 when no scratch could be allocated. */
 int64_t rana_masked_gemv_a8(const rana_operands* __restrict op, const float* __restrict x, float t,
                             float* __restrict y, int threads) {
-    return rana_masked_a8((const int8_t*)op->w, op->qscale, x, op->K, op->N, op->ldw, t, (int)op->mode, op->scale,
-                          op->bias, y, (int)op->isa, threads);
+    return rana_masked_a8((const int8_t*)op->w, op->qscale, x, op->K, op->N, op->ldw, op->block, t, (int)op->mode,
+                          op->scale, op->bias, y, (int)op->isa, threads);
 }
 
 /* Sibling projections that read one token (q/k/v, gate/up, a serving engine's fused layer), bound once as a
@@ -786,8 +794,8 @@ int64_t rana_masked_gemv_group(const rana_group* __restrict g, const float* __re
         float* yp = y + g->offset[p];
         int64_t n;
         if (g->format[p] == RANA_GROUP_A8) {
-            n = rana_masked_a8((const int8_t*)op->w, op->qscale, x, op->K, op->N, op->ldw, g->t[p], (int)op->mode,
-                               op->scale, op->bias, yp, (int)op->isa, threads);
+            n = rana_masked_a8((const int8_t*)op->w, op->qscale, x, op->K, op->N, op->ldw, op->block, g->t[p],
+                               (int)op->mode, op->scale, op->bias, yp, (int)op->isa, threads);
         } else {
             int32_t* idx = rana_index_scratch(op->K);
             if (!idx) return -1;

@@ -39,9 +39,10 @@ column at the end: ``y = qscale ⊙ ((m ⊙ v) @ q_t) (+ bias)``. There is no in
 always multiplies; with everything active it is the dense int8 GEMV.
 
 int8 weights with int8 activations (W8A8, ``activations="int8"``): the kept inputs quantized per token in blocks
-of 64 input positions (one fp32 scale each, symmetric, round half to even: :func:`torch_gemv.quantize_activations`
-is the same in torch) and multiplied int8 × int8 with int32 sums: AVX-512 VNNI, AVX2 or portable C, the widest this
-CPU runs (:func:`a8_isa`; ``RANA_CPU_ISA=avx2|scalar`` forces a narrower one).
+of ``block`` input positions (1 to A8_BLOCK_MAX, a setting of the int8 folder; one fp32 scale each, symmetric,
+round half to even: :func:`torch_gemv.quantize_activations` is the same in torch) and multiplied int8 × int8 with
+int32 sums: AVX-512 VNNI, AVX2 or portable C, the widest this CPU runs (:func:`a8_isa`; ``RANA_CPU_ISA=avx2|scalar``
+forces a narrower one).
 
 This file is self-contained (torch + stdlib + modes.py) so it can be copied next to an exported model,
 where the C source is inlined (`SHIPPED_SOURCE`: remote code ships .py files only).
@@ -66,7 +67,8 @@ import torch
 
 from .modes import HEADER_NAME, MODE_IDS, c_header
 
-__all__ = ["NativeCall", "NativeGroup", "native_masked", "a8_isa", "A8_ISAS", "ACTIVATIONS", "expert_masked_gemv_native",
+__all__ = ["NativeCall", "NativeGroup", "native_masked", "a8_isa", "A8_ISAS", "ACTIVATIONS", "A8_BLOCK_MAX",
+           "A8_BLOCK_UNRECORDED", "check_a8_block", "expert_masked_gemv_native",
            "native_kernel", "native_status", "native_limit", "dense_streak", "reset_dense_streaks", "source", "library_name", "build_variant",
            "Library", "BUILD_FLAGS", "BUILD_ATTEMPTS", "DENSE_STREAK"]
 
@@ -117,6 +119,17 @@ class Library(NamedTuple):
 # The W8A8 inner loops, by the C source's RANA_ISA_* id; the activation formats an int8 weight decodes with.
 A8_ISAS = ("scalar", "avx2", "avx512_vnni")
 ACTIVATIONS = ("float", "int8")
+# int8 activations are quantized per block of this many input positions at most (cpu_gemv.c RANA_A8_BLOCK_MAX; the
+# issue's format: llama.cpp's Q8_0 takes 32); an int8 folder written before the block was a setting used 64
+A8_BLOCK_MAX = 64
+A8_BLOCK_UNRECORDED = 64
+
+
+def check_a8_block(block) -> int:
+    """`block` as an int8-activation block size (1..A8_BLOCK_MAX), else ValueError."""
+    if isinstance(block, bool) or not isinstance(block, int) or not 1 <= block <= A8_BLOCK_MAX:
+        raise ValueError(f"an int8 activation block holds 1 to {A8_BLOCK_MAX} inputs, got {block!r}")
+    return block
 
 
 def a8_isa(library: "Library | None" = None) -> int:
@@ -146,7 +159,7 @@ def _bind_entries(lib: ctypes.CDLL) -> Library:
 class _Operands(ctypes.Structure):  # rana_operands in cpu_gemv.c
     _fields_ = [("w", ctypes.c_void_p), ("qscale", ctypes.c_void_p), ("scale", ctypes.c_void_p),
                 ("bias", ctypes.c_void_p), ("K", ctypes.c_int64), ("N", ctypes.c_int64), ("ldw", ctypes.c_int64),
-                ("mode", ctypes.c_int64), ("isa", ctypes.c_int64)]
+                ("mode", ctypes.c_int64), ("isa", ctypes.c_int64), ("block", ctypes.c_int64)]
 
 
 # --------------------------------------------------------------------------------------------
@@ -169,11 +182,13 @@ class NativeCall:
     tensors, so a bound address is never stale. Deepcopy and pickle give None: a copy binds its own tensors.
     """
 
-    __slots__ = ("tensors", "mode", "K", "N", "int8", "ptr", "activations", "_fn", "_operands", "_address", "_weight")
+    __slots__ = ("tensors", "mode", "K", "N", "int8", "ptr", "activations", "block", "_fn", "_operands", "_address",
+                 "_weight")
 
     def __init__(self, tensors: tuple, mode: str, K: int = 0, N: int = 0, fn=None, operands=None,
-                 activations: str = "float"):
+                 activations: str = "float", block: int = A8_BLOCK_UNRECORDED):
         self.tensors, self.mode, self.K, self.N, self.activations = tensors, mode, K, N, activations
+        self.block = block
         self.int8 = tensors[1] is not None
         self.ptr = tensors[0].data_ptr() if tensors[0].device.type != "meta" else 0
         self._fn, self._operands = fn, operands
@@ -184,13 +199,15 @@ class NativeCall:
     @classmethod
     def bind(cls, w_t: torch.Tensor, qscale: torch.Tensor | None, mode: str, scale: torch.Tensor | None = None,
              bias: torch.Tensor | None = None, library: Library | None = None, activations: str = "float",
-             isa: int | None = None) -> "NativeCall":
+             isa: int | None = None, block: int = A8_BLOCK_UNRECORDED) -> "NativeCall":
         """`w_t` (K, N): float32 weights, or int8 codes with their fp32 per-output-channel `qscale` (N,).
         `library`: the entry points to call (a variant build, :func:`build_variant`); default the loaded one.
         `activations` "int8" (int8 weights only): the W8A8 kernel, with the inner loop `isa` (an index of A8_ISAS;
-        default :func:`a8_isa`)."""
+        default :func:`a8_isa`) and the tokens quantized per `block` inputs (1..A8_BLOCK_MAX, else ValueError)."""
         tensors = (w_t, qscale, scale, bias)
-        unusable = cls(tensors, mode, activations=activations)
+        if activations == "int8":
+            check_a8_block(block)
+        unusable = cls(tensors, mode, activations=activations, block=block)
         lib = library if library is not None else _load()[0]
         if activations not in ACTIVATIONS or (activations == "int8" and qscale is None):
             return unusable
@@ -211,10 +228,10 @@ class NativeCall:
         operands = _Operands(w_t.data_ptr(), None if qscale is None else qscale.data_ptr(),
                              None if used[1] is None else used[1].data_ptr(),
                              None if bias is None else bias.data_ptr(), K, N, w_t.stride(0) if K > 1 else N,
-                             mode_id, 0)
+                             mode_id, 0, block)
         if activations == "int8":
             operands.isa = min(a8_isa(lib) if isa is None else isa, lib.a8_best)
-            return cls(tensors, mode, K, N, lib.masked_a8, operands, activations)
+            return cls(tensors, mode, K, N, lib.masked_a8, operands, activations, block)
         return cls(tensors, mode, K, N, lib.masked_i8 if int8 else lib.masked_f32, operands)
 
     def binds(self, w_t, qscale, mode: str, scale=None, bias=None) -> bool:
@@ -341,10 +358,11 @@ class NativeGroup:
 
 def native_masked(w_t: torch.Tensor, qscale: torch.Tensor | None, v: torch.Tensor, threshold: float, mode: str,
                   scale: torch.Tensor | None = None, bias: torch.Tensor | None = None,
-                  limit: int | None = None, activations: str = "float") -> torch.Tensor | None:
+                  limit: int | None = None, activations: str = "float",
+                  block: int = A8_BLOCK_UNRECORDED) -> torch.Tensor | None:
     """One CPU token through the native kernel, its operands bound for this call only (the registered ops,
     tests): ``(m ⊙ v) @ w_t (+ bias)`` for float32 ``w_t``, ``qscale ⊙ ((m ⊙ v) @ q_t) (+ bias)`` for int8
-    codes (``activations="int8"``: the W8A8 kernel). int8 weights take any float token and scales (converted to
+    codes (``activations="int8"``: the W8A8 kernel, tokens quantized per `block` inputs). int8 weights take any float token and scales (converted to
     fp32; the output in v's dtype); float
     weights take fp32 only. ``threshold`` a Python float. None where the kernel is unavailable or the
     operands do not suit it (see :class:`NativeCall`; also gradients wanted, under torch.compile): the
@@ -361,7 +379,7 @@ def native_masked(w_t: torch.Tensor, qscale: torch.Tensor | None, v: torch.Tenso
     K, N = w_t.shape
     x = v if v.dtype is torch.float32 and v.is_contiguous() else v.float().contiguous()
     y = NativeCall.bind(w_t, _fp32(qscale, N), mode, _fp32(scale, K), _fp32(bias, N),
-                        activations=activations)(x, threshold)
+                        activations=activations, block=block)(x, threshold)
     return y if y is None or v.dtype is torch.float32 else y.to(v.dtype)
 
 

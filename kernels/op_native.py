@@ -26,7 +26,7 @@ from typing import Optional, Sequence
 import torch
 from torch.multiprocessing.reductions import StorageWeakRef
 
-from .cpu_gemv import NativeCall, NativeGroup
+from .cpu_gemv import A8_BLOCK_UNRECORDED, NativeCall, NativeGroup
 
 __all__ = ["Binding", "grouped_native", "masked_native", "bindings", "bound_count", "forget_all", "prune"]
 
@@ -73,9 +73,9 @@ def _fp32(t: Optional[torch.Tensor], n: int) -> Optional[torch.Tensor]:
     return t.reshape(n).float().contiguous()
 
 
-def _key(w_ts, qscales, thresholds, scales, biases, mode: str, activations: str) -> tuple:
+def _key(w_ts, qscales, thresholds, scales, biases, mode: str, activations: str, block: int) -> tuple:
     """Every address the binding reads (and the weights' layout): equal keys describe the same memory."""
-    key = [mode, activations]
+    key = [mode, activations, block]
     none = mode == "none"  # its threshold is not read (traced steps make a new one per call)
     for w, q, t, s, b in zip(w_ts, qscales, thresholds, scales, biases):
         key += (w.data_ptr(), w.shape, w.stride(0), w.dtype, q.data_ptr() if q is not None else 0,
@@ -84,7 +84,8 @@ def _key(w_ts, qscales, thresholds, scales, biases, mode: str, activations: str)
     return tuple(key)
 
 
-def _bind(key, w_ts, qscales, thresholds, scales, biases, mode: str, activations: str) -> Optional[Binding]:
+def _bind(key, w_ts, qscales, thresholds, scales, biases, mode: str, activations: str,
+          block: int) -> Optional[Binding]:
     """A binding of the projections into one group row (their outputs side by side), or None where the kernel
     cannot serve them (the caller's torch path)."""
     calls, ts, offsets, copies, read, width = [], [], [], [], [], 0
@@ -99,7 +100,7 @@ def _bind(key, w_ts, qscales, thresholds, scales, biases, mode: str, activations
         if mode != "none":
             read.append(t)
         call_mode = "none" if threshold == -math.inf and q is not None else mode
-        call = NativeCall.bind(w, q32, call_mode, s32, b32, activations=activations)
+        call = NativeCall.bind(w, q32, call_mode, s32, b32, activations=activations, block=block)
         if not call.usable:
             return None
         calls.append(call)
@@ -133,7 +134,7 @@ def prune() -> int:
 
 
 def grouped_native(vs: Sequence[torch.Tensor], w_ts, qscales, thresholds, mode: str, scales, biases,
-                   activations: str = "float") -> Optional[torch.Tensor]:
+                   activations: str = "float", block: int = A8_BLOCK_UNRECORDED) -> Optional[torch.Tensor]:
     """Every projection's masked GEMV of one CPU token `vs[0]` (the siblings read one input), concatenated
     (1-D, in the token's dtype), in one native call; None where it cannot run (several tokens, gradients, other
     devices or formats, members with their own inputs): the caller's path. (Runs per op per token: its checks
@@ -146,12 +147,12 @@ def grouped_native(vs: Sequence[torch.Tensor], w_ts, qscales, thresholds, mode: 
             return None  # the members' own inputs (inductor may hand each its own buffer of one token's values)
     if torch.is_grad_enabled() and (v.requires_grad or any(w.requires_grad for w in w_ts)):
         return None
-    key = _key(w_ts, qscales, thresholds, scales, biases, mode, activations)
+    key = _key(w_ts, qscales, thresholds, scales, biases, mode, activations, block)
     binding = _BOUND.get(key)
     if binding is not None and not binding.current():
         binding = None  # a value read at binding changed in place: bind again
     if binding is None:
-        binding = _bind(key, w_ts, qscales, thresholds, scales, biases, mode, activations)
+        binding = _bind(key, w_ts, qscales, thresholds, scales, biases, mode, activations, block)
         if binding is None:
             return None
     group = binding.group
@@ -164,9 +165,10 @@ def grouped_native(vs: Sequence[torch.Tensor], w_ts, qscales, thresholds, mode: 
     return y if v.dtype is torch.float32 else y.to(v.dtype)
 
 
-def masked_native(w_t, qscale, v, threshold, mode: str, scale, bias, activations: str = "float"):
+def masked_native(w_t, qscale, v, threshold, mode: str, scale, bias, activations: str = "float",
+                  block: int = A8_BLOCK_UNRECORDED):
     """One projection's one CPU token through its kept binding: v.shape[:-1] + (N,), or None (the caller's path)."""
-    y = grouped_native((v,), (w_t,), (qscale,), (threshold,), mode, (scale,), (bias,), activations)
+    y = grouped_native((v,), (w_t,), (qscale,), (threshold,), mode, (scale,), (bias,), activations, block)
     return None if y is None else y.view(*v.shape[:-1], y.shape[0])
 
 

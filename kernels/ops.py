@@ -13,12 +13,13 @@ int8 codes ``w_t`` with their per-output-channel scales ``qscale`` (N,) (None fo
                                 Tensor?[] scales, Tensor?[] biases) -> Tensor
         one token through each of up to three projections (q/k/v, gate/up), outputs concatenated (1-D); on CPU
         one native call for all of them (op_native.py).
-    rana::decode_masked_a8(Tensor w_t, Tensor? qscale, Tensor v, Tensor threshold, str mode, Tensor? scale,
-                           Tensor? bias) -> Tensor
-    rana::decode_masked_grouped_a8(...)  (decode_masked_grouped's schema)
-        int8 weights with int8 activations (W8A8): each token's kept inputs quantized per block of 64
-        (torch_gemv.quantize_activations) and multiplied int8 × int8; CPU: one token through the native W8A8
-        kernel, else the quantized input through the int8 torch paths.
+    rana::decode_w8a8(Tensor w_t, Tensor? qscale, Tensor v, Tensor threshold, str mode, Tensor? scale,
+                      Tensor? bias, int block) -> Tensor
+    rana::decode_w8a8_grouped(...)  (decode_masked_grouped's schema, then int block)
+        int8 weights with int8 activations (W8A8): each token's kept inputs quantized per block of `block` input
+        positions (torch_gemv.quantize_activations) and multiplied int8 × int8; CPU: one token through the native
+        W8A8 kernel, else the quantized input through the int8 torch paths. (Exports made before the block was a
+        setting register rana::decode_masked_a8 / decode_masked_grouped_a8 with blocks of 64: other names.)
     rana::decode_masked_triton(Tensor[] vs, Tensor[] w_ts, Tensor?[] qscales, Tensor[] thresholds, str mode,
                                Tensor?[] scales, Tensor?[] biases, SymInt sparsity_bin) -> Tensor
         triton_op (registered when the Triton kernels can run): the grouped kernel of triton_gemv.py
@@ -52,7 +53,7 @@ from typing import Optional, Sequence
 
 import torch
 
-from .cpu_gemv import expert_masked_gemv_native
+from .cpu_gemv import check_a8_block, expert_masked_gemv_native
 from .modes import mode_id
 from .op_native import grouped_native, masked_native
 from .torch_gemv import (expert_masked_gemv_dense, expert_masked_gemv_gather, masked_gemv_int8_torch,
@@ -60,7 +61,7 @@ from .torch_gemv import (expert_masked_gemv_dense, expert_masked_gemv_gather, ma
 from .triton_gemv import (expert_masked_gemv_triton, grouped_dense_gemv_triton, grouped_masked_gemv_triton,
                           interpreting, kernels_available)
 
-__all__ = ["decode_masked_impl", "expert_masked_gemv_impl", "HAS_TRITON", "OP_NAMES", "ALL_OP_NAMES"]
+__all__ = ["decode_masked_impl", "decode_w8a8_impl", "expert_masked_gemv_impl", "HAS_TRITON", "OP_NAMES", "ALL_OP_NAMES"]
 
 HAS_TRITON = kernels_available()
 
@@ -83,27 +84,29 @@ def decode_masked_impl(w_t: torch.Tensor, qscale: Optional[torch.Tensor], v: tor
     return y.contiguous()
 
 
-def decode_masked_a8_impl(w_t: torch.Tensor, qscale: torch.Tensor, v: torch.Tensor, threshold: torch.Tensor,
-                          mode: str, scale: Optional[torch.Tensor], bias: Optional[torch.Tensor]) -> torch.Tensor:
-    """rana::decode_masked_a8's implementation: int8 weights with int8 activations (one CPU token through the native
-    W8A8 kernel, else torch_gemv's int8 paths on the quantized inputs)."""
+def decode_w8a8_impl(w_t: torch.Tensor, qscale: torch.Tensor, v: torch.Tensor, threshold: torch.Tensor,
+                     mode: str, scale: Optional[torch.Tensor], bias: Optional[torch.Tensor], block: int) -> torch.Tensor:
+    """rana::decode_w8a8's implementation: int8 weights with int8 activations in blocks of `block` (one CPU token
+    through the native W8A8 kernel, else torch_gemv's int8 paths on the quantized inputs)."""
     mode_id(mode)
-    y = masked_native(w_t, qscale, v, threshold, mode, scale, bias, activations="int8")
+    check_a8_block(block)
+    y = masked_native(w_t, qscale, v, threshold, mode, scale, bias, activations="int8", block=block)
     if y is not None:
         return y
     return masked_gemv_int8_torch(w_t, qscale, v, threshold, mode=mode, scale=scale, bias=bias,
-                                  activations="int8").contiguous()
+                                  activations="int8", block=block).contiguous()
 
 
-def _decode_masked_grouped_a8_impl(vs: Sequence[torch.Tensor], w_ts: Sequence[torch.Tensor],
-                                   qscales: Sequence[Optional[torch.Tensor]], thresholds: Sequence[torch.Tensor],
-                                   mode: str, scales: Sequence[Optional[torch.Tensor]],
-                                   biases: Sequence[Optional[torch.Tensor]]) -> torch.Tensor:
+def _decode_w8a8_grouped_impl(vs: Sequence[torch.Tensor], w_ts: Sequence[torch.Tensor],
+                              qscales: Sequence[Optional[torch.Tensor]], thresholds: Sequence[torch.Tensor],
+                              mode: str, scales: Sequence[Optional[torch.Tensor]],
+                              biases: Sequence[Optional[torch.Tensor]], block: int) -> torch.Tensor:
     mode_id(mode)
-    y = grouped_native(vs, w_ts, qscales, thresholds, mode, scales, biases, activations="int8")
+    check_a8_block(block)
+    y = grouped_native(vs, w_ts, qscales, thresholds, mode, scales, biases, activations="int8", block=block)
     if y is not None:
         return y
-    return torch.cat([decode_masked_a8_impl(w, q, v, t, mode, s, b).reshape(-1)
+    return torch.cat([decode_w8a8_impl(w, q, v, t, mode, s, b, block).reshape(-1)
                       for v, w, q, t, s, b in zip(vs, w_ts, qscales, thresholds, scales, biases)])
 
 
@@ -138,6 +141,10 @@ def _decode_masked_fake(w_t, qscale, v, threshold, mode, scale, bias):
     return v.new_empty((*v.shape[:-1], w_t.shape[1]))
 
 
+def _decode_w8a8_fake(w_t, qscale, v, threshold, mode, scale, bias, block):
+    return v.new_empty((*v.shape[:-1], w_t.shape[1]))
+
+
 def _decode_masked_grouped_impl(vs: Sequence[torch.Tensor], w_ts: Sequence[torch.Tensor],
                             qscales: Sequence[Optional[torch.Tensor]], thresholds: Sequence[torch.Tensor], mode: str,
                             scales: Sequence[Optional[torch.Tensor]],
@@ -151,6 +158,10 @@ def _decode_masked_grouped_impl(vs: Sequence[torch.Tensor], w_ts: Sequence[torch
 
 
 def _decode_masked_grouped_fake(vs, w_ts, qscales, thresholds, mode, scales, biases):
+    return vs[0].new_empty((sum(w.shape[1] for w in w_ts),))
+
+
+def _decode_w8a8_grouped_fake(vs, w_ts, qscales, thresholds, mode, scales, biases, block):
     return vs[0].new_empty((sum(w.shape[1] for w in w_ts),))
 
 
@@ -188,8 +199,9 @@ _GROUPED = ("(Tensor[] vs, Tensor[] w_ts, Tensor?[] qscales, Tensor[] thresholds
 _CUSTOM = {
     "decode_masked": (_MASKED, decode_masked_impl, _decode_masked_fake),
     "decode_masked_grouped": (_GROUPED, _decode_masked_grouped_impl, _decode_masked_grouped_fake),
-    "decode_masked_a8": (_MASKED, decode_masked_a8_impl, _decode_masked_fake),
-    "decode_masked_grouped_a8": (_GROUPED, _decode_masked_grouped_a8_impl, _decode_masked_grouped_fake),
+    "decode_w8a8": (_MASKED.replace(") ->", ", int block) ->"), decode_w8a8_impl, _decode_w8a8_fake),
+    "decode_w8a8_grouped": (_GROUPED.replace(") ->", ", int block) ->"), _decode_w8a8_grouped_impl,
+                            _decode_w8a8_grouped_fake),
     "expert_masked_gemv": ("(Tensor w_t, Tensor v, Tensor idx, Tensor thresholds) -> Tensor",
                            expert_masked_gemv_impl, _expert_masked_gemv_fake),
 }

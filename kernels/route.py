@@ -101,7 +101,7 @@ def _torch_masked(w: Weight, v, threshold, mode, scale, sbin):
     w_t, qscale, bias = w.op_tensors()
     if w.activations == "int8":  # W8A8: its own torch path (the quantized kept inputs)
         return masked_gemv_int8_torch(w_t, qscale, v, threshold, mode=mode, scale=scale, bias=bias,
-                                      activations="int8")
+                                      activations="int8", block=w.block)
     gather = v.is_cpu and w_t.is_cpu and _one_token(v)
     if qscale is None:
         if gather:
@@ -154,7 +154,7 @@ def _a8_inputs(ws, vs, thresholds, mode, scales):
     sync-free), kept again exactly where nonzero (mode "abs" at KEEP_NONZERO); other groups unchanged."""
     if ws[0].activations != "int8":
         return vs, thresholds, mode, scales
-    vs = [a8_masked_input(v, t, mode, s) for v, t, s in zip(vs, thresholds, scales)]
+    vs = [a8_masked_input(v, t, mode, s, block=w.block) for w, v, t, s in zip(ws, vs, thresholds, scales)]
     keep = torch.full((), KEEP_NONZERO, dtype=torch.float32, device=vs[0].device)
     return vs, [keep] * len(vs), "abs", [None] * len(vs)
 
@@ -214,14 +214,18 @@ def _triton_dense_grouped(ws, vs):
 # --------------------------------------------------------------------------------------------
 def _op_masked(w: Weight, v, threshold, mode, scale, sbin):
     w_t, qscale, bias = w.op_tensors()
-    op = torch.ops.rana.decode_masked_a8 if w.activations == "int8" else torch.ops.rana.decode_masked
-    return op(w_t, qscale, v, _device_threshold(threshold, v), mode, scale, bias)
+    if w.activations == "int8":
+        return torch.ops.rana.decode_w8a8(w_t, qscale, v, _device_threshold(threshold, v), mode, scale, bias, w.block)
+    return torch.ops.rana.decode_masked(w_t, qscale, v, _device_threshold(threshold, v), mode, scale, bias)
 
 
 def _op_grouped(ws, vs, thresholds, mode, scales, sbin):
     w_ts, qscales, biases, ts = _group_args(ws, vs, thresholds)
-    op = torch.ops.rana.decode_masked_grouped_a8 if ws[0].activations == "int8" else torch.ops.rana.decode_masked_grouped
-    return _split(op(list(vs), w_ts, qscales, ts, mode, list(scales), biases), w_ts)
+    if ws[0].activations == "int8":  # a group shares one format (DecodeGroup)
+        y = torch.ops.rana.decode_w8a8_grouped(list(vs), w_ts, qscales, ts, mode, list(scales), biases, ws[0].block)
+    else:
+        y = torch.ops.rana.decode_masked_grouped(list(vs), w_ts, qscales, ts, mode, list(scales), biases)
+    return _split(y, w_ts)
 
 
 def _op_expert(w: FloatWeight, v, idx, thresholds):

@@ -41,7 +41,7 @@ import math
 
 import torch
 
-from .cpu_gemv import native_masked
+from .cpu_gemv import A8_BLOCK_UNRECORDED, check_a8_block, native_masked
 from .modes import mode_id
 
 __all__ = [
@@ -61,7 +61,6 @@ __all__ = [
     "masked_gemv_a8_reference",
     "quantize_activations",
     "a8_masked_input",
-    "A8_BLOCK",
     "KEEP_NONZERO",
 ]
 
@@ -271,45 +270,46 @@ def masked_gemv_int8_gather(q_t, qscale, v, threshold, *, mode: str, scale=None,
 
 
 def masked_gemv_int8_torch(q_t, qscale, v, threshold, *, mode: str, scale=None, bias=None,
-                           activations: str = "float") -> torch.Tensor:
+                           activations: str = "float", block: int = A8_BLOCK_UNRECORDED) -> torch.Tensor:
     """One token on CPU: the native int8 kernel of cpu_gemv.py, else :func:`masked_gemv_int8_gather`.
     Other devices and several tokens: :func:`masked_gemv_int8_dense` (no sync). ``activations="int8"`` (W8A8):
-    the native W8A8 kernel, else the kept inputs quantized (:func:`a8_masked_input`) through the same torch paths,
-    output in v's dtype."""
+    the native W8A8 kernel, else the kept inputs quantized per `block` (:func:`a8_masked_input`) through the same
+    torch paths, output in v's dtype."""
     check_int8_args(q_t, qscale, v, mode, threshold, scale)
     K = q_t.shape[0]
     one_cpu_token = v.device.type == "cpu" and q_t.device.type == "cpu" and v.numel() == K
     if one_cpu_token:
         t = -math.inf if (mode == "none" or _all_active(threshold)) else float(threshold)
-        y = native_masked(q_t, qscale, v, t, "none" if t == -math.inf else mode, scale, bias, activations=activations)
+        y = native_masked(q_t, qscale, v, t, "none" if t == -math.inf else mode, scale, bias, activations=activations,
+                          block=block)
         if y is not None:
             return y.reshape(_out_shape(v, q_t.shape[1]))
     run = masked_gemv_int8_gather if one_cpu_token else masked_gemv_int8_dense
     if activations == "int8":
-        return run(q_t, qscale, a8_masked_input(v, threshold, mode, scale), KEEP_NONZERO, mode="abs",
+        return run(q_t, qscale, a8_masked_input(v, threshold, mode, scale, block=block), KEEP_NONZERO, mode="abs",
                    bias=bias).to(v.dtype)
     return run(q_t, qscale, v, threshold, mode=mode, scale=scale, bias=bias)
 
 
 # --------------------------------------------------------------------------------------------
-# int8 activations (W8A8): the kept inputs quantized per token, in blocks of A8_BLOCK input positions
+# int8 activations (W8A8): the kept inputs quantized per token, in blocks of `block` input positions
 # --------------------------------------------------------------------------------------------
-A8_BLOCK = 64
 # |x| >= this holds exactly for the nonzero values: a quantized masked input handed to a masked kernel in mode "abs"
 # keeps what the quantization kept (a kept input that quantized to 0 adds nothing either way)
 KEEP_NONZERO = 2.0 ** -149
 
 
-def quantize_activations(x: torch.Tensor) -> torch.Tensor:
+def quantize_activations(x: torch.Tensor, *, block: int) -> torch.Tensor:
     """`x` (any leading dims; masked inputs hold 0) with each token's values quantized to int8 and back, in fp32:
-    per block of A8_BLOCK positions along the last dim (the last block shorter), ``s = max|x| / 127``,
+    per block of `block` positions along the last dim (the last block shorter), ``s = max|x| / 127``,
     ``q = round_half_even(x * (127 / max|x|))`` within ±127, value ``q * s``. What the native W8A8 kernel computes
     with int8 sums (cpu_gemv.c, rana_a8_quantize), here as float ops (sync-free, any device, traceable). A block
     holding inf / NaN gives NaN."""
+    check_a8_block(block)
     xf = x.float()
     K = xf.shape[-1]
-    pad = (-K) % A8_BLOCK
-    blocks = torch.nn.functional.pad(xf, (0, pad)).unflatten(-1, (-1, A8_BLOCK))
+    pad = (-K) % block
+    blocks = torch.nn.functional.pad(xf, (0, pad)).unflatten(-1, (-1, block))
     amax = blocks.abs().amax(-1, keepdim=True)
     inv = torch.where(amax > 0, 127.0 / amax, torch.zeros((), dtype=torch.float32, device=xf.device))
     q = torch.round(blocks * inv).clamp_(-127.0, 127.0)
@@ -317,19 +317,20 @@ def quantize_activations(x: torch.Tensor) -> torch.Tensor:
     return y[..., :K] if pad else y
 
 
-def a8_masked_input(v: torch.Tensor, threshold, mode: str, scale) -> torch.Tensor:
-    """The masked token(s) with their kept inputs quantized (:func:`quantize_activations`), fp32: multiplied with a
-    float-activation kernel at threshold KEEP_NONZERO in mode "abs", it gives the W8A8 product."""
+def a8_masked_input(v: torch.Tensor, threshold, mode: str, scale, *, block: int) -> torch.Tensor:
+    """The masked token(s) with their kept inputs quantized per `block` (:func:`quantize_activations`), fp32:
+    multiplied with a float-activation kernel at threshold KEEP_NONZERO in mode "abs", it gives the W8A8 product."""
     mask = _active_mask(v, threshold, mode, scale)
     x = v.float() if mask is None else torch.where(mask, v.float(), 0.0)
-    return quantize_activations(x)
+    return quantize_activations(x, block=block)
 
 
-def masked_gemv_a8_reference(q_t, qscale, v, threshold, *, mode: str, scale=None, bias=None) -> torch.Tensor:
+def masked_gemv_a8_reference(q_t, qscale, v, threshold, *, mode: str, scale=None, bias=None,
+                             block: int) -> torch.Tensor:
     """float64 reference of the W8A8 product: the kept inputs quantized as the kernels do (fp32 scale arithmetic),
     then exact sums in float64."""
     check_int8_args(q_t, qscale, v, mode, threshold, scale)
-    x = a8_masked_input(v, threshold, mode, scale)
+    x = a8_masked_input(v, threshold, mode, scale, block=block)
     return masked_gemv_int8_reference(q_t, qscale, x, None, mode="none", bias=bias)
 
 

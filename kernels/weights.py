@@ -5,7 +5,7 @@
                   same way; the bias
     Int8Weight    int8 codes ``q_t`` (K, N), unit stride along N, fp32 per-output-channel scales (N,); the bias; its
                   activation format (``activations``: "float", or "int8": each token's kept inputs quantized per
-                  block of 64, multiplied int8 × int8, torch_gemv.quantize_activations)
+                  ``block`` input positions, multiplied int8 × int8, torch_gemv.quantize_activations)
 
 A module makes its operand once (rana.modules.common: on its first decode token after it was built, loaded or
 moved) and hands it to the entry points of the decode route (route.py), whatever its format. The operand
@@ -26,7 +26,7 @@ import os
 
 import torch
 
-from .cpu_gemv import NativeCall, native_kernel, native_masked
+from .cpu_gemv import A8_BLOCK_UNRECORDED, NativeCall, check_a8_block, native_kernel, native_masked
 from .triton_gemv import interpreting, kernels_available
 
 __all__ = ["Weight", "FloatWeight", "Int8Weight", "backend_for", "eager_cpu", "BACKENDS", "TRITON_ON_CPU"]
@@ -69,6 +69,7 @@ class Weight:
 
     format: str = ""
     activations: str = "float"  # the tokens as the kernels multiply them (Int8Weight may take "int8")
+    block: int = A8_BLOCK_UNRECORDED  # int8 activations: the inputs quantized per scale
     # stored: the tensor whose storage a bound call reads, checked per token (None: not checked); bound: the native
     # call bound last (see `native`)
     __slots__ = ("bias", "backend", "stored", "bound")
@@ -88,7 +89,8 @@ class Weight:
         if call is None or call.mode != mode or call.tensors[2] is not scale or (
                 self.stored is not None and call.ptr != self.stored.data_ptr()):
             w_t, qscale, bias = self.op_tensors()
-            call = self.bound = NativeCall.bind(w_t, qscale, mode, scale, bias, activations=self.activations)
+            call = self.bound = NativeCall.bind(w_t, qscale, mode, scale, bias, activations=self.activations,
+                                                block=self.block)
         return call
 
     def native_once(self, v: torch.Tensor, threshold: float, mode: str, scale: torch.Tensor | None):
@@ -131,15 +133,16 @@ class FloatWeight(Weight):
 
 class Int8Weight(Weight):
     """int8 codes `q_t` (K, N) with unit stride along N and fp32 per-output-channel `qscale` (N,); `bias`;
-    `activations` "float" (W8A16: fp32 tokens times the codes) or "int8" (W8A8)."""
+    `activations` "float" (W8A16: fp32 tokens times the codes) or "int8" (W8A8, each token's kept inputs quantized
+    per `block` input positions)."""
 
     format = "int8"
-    __slots__ = ("q_t", "qscale", "activations")
+    __slots__ = ("q_t", "qscale", "activations", "block")
 
     def __init__(self, q_t: torch.Tensor, qscale: torch.Tensor, bias: torch.Tensor | None = None,
-                 activations: str = "float"):
+                 activations: str = "float", block: int = A8_BLOCK_UNRECORDED):
         self.q_t, self.qscale, self.bias, self.bound = q_t, qscale, bias, None
-        self.activations = activations
+        self.activations, self.block = activations, check_a8_block(block)
         # int8 codes are buffers, replaced (not swapped in place) when they change: the identity checks of its
         # layer's operand see that, and a token does not read the storage's address (float weights are
         # Parameters, whose `.data` peft and rana's loaders swap)
@@ -160,4 +163,5 @@ class Int8Weight(Weight):
     def native_once(self, v, threshold, mode, scale):
         """A bf16 / fp16 token, bias or scale: the kernel still, with fp32 operands for this call (the int8 kernel
         takes any float token that way; its bound call declines them so that the fp32 case pays no checks)."""
-        return native_masked(self.q_t, self.qscale, v, threshold, mode, scale, self.bias, activations=self.activations)
+        return native_masked(self.q_t, self.qscale, v, threshold, mode, scale, self.bias, activations=self.activations,
+                             block=self.block)

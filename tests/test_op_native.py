@@ -41,6 +41,27 @@ def _op(name):
     return getattr(torch.ops.rana, name).default
 
 
+BLOCK = 32  # the W8A8 ops' block here (test_w8a8 covers every block)
+
+
+def _masked_op(activations: str):
+    """rana::decode_masked, or for int8 activations rana::decode_w8a8 with blocks of BLOCK: one signature."""
+    if activations != "int8":
+        return _op("decode_masked")
+    return lambda *args: _op("decode_w8a8")(*args, BLOCK)
+
+
+def _grouped_op(activations: str):
+    if activations != "int8":
+        return _op("decode_masked_grouped")
+    return lambda *args: _op("decode_w8a8_grouped")(*args, BLOCK)
+
+
+def _own(q_t, qs, b, activations: str):
+    """The projection's own bound native call."""
+    return cg.NativeCall.bind(q_t, qs, "abs", None, b, activations=activations, block=BLOCK)
+
+
 @pytest.mark.parametrize("mode", ["abs", "abs_scaled", "square", "none"])
 @pytest.mark.parametrize("nthreads", [1, 2])
 def test_float_op_matches_float64(threads, mode, nthreads):
@@ -56,10 +77,9 @@ def test_float_op_matches_float64(threads, mode, nthreads):
 @pytest.mark.parametrize("frac", [0.0, 0.5, 1.0])
 def test_int8_op_equals_the_projections_own_call(activations, frac):
     q_t, qs, v, t, _, b = test_w8a8._problem(130, 300, "abs", frac, seed=6)
-    name = "decode_masked_a8" if activations == "int8" else "decode_masked"
     with torch.inference_mode():
-        y = _op(name)(q_t, qs, v, torch.tensor(float(t)), "abs", None, b)
-    own = cg.NativeCall.bind(q_t, qs, "abs", None, b, activations=activations)(v.contiguous(), float(t))
+        y = _masked_op(activations)(q_t, qs, v, torch.tensor(float(t)), "abs", None, b)
+    own = _own(q_t, qs, b, activations)(v.contiguous(), float(t))
     torch.testing.assert_close(y, own, atol=0, rtol=0)
 
 
@@ -78,15 +98,14 @@ def test_group_is_one_call_equal_to_each_member(activations, separate_buffers):
     """One binding for the group; inputs in separate buffers of equal values (as inductor hands them) too."""
     members, v = _siblings(96, [96, 32, 32], seed=9, activations=activations)
     vs = [v.clone() if separate_buffers else v for _ in members]
-    name = "decode_masked_grouped_a8" if activations == "int8" else "decode_masked_grouped"
     before = op_native.bound_count()
     with torch.inference_mode():
-        y = _op(name)(vs, [m[0] for m in members], [m[1] for m in members], [m[2] for m in members], "abs",
+        y = _grouped_op(activations)(vs, [m[0] for m in members], [m[1] for m in members], [m[2] for m in members], "abs",
                       [None] * 3, [m[3] for m in members])
     assert op_native.bound_count() == before + 1
     at = 0
     for q_t, qs, t, b in members:
-        own = cg.NativeCall.bind(q_t, qs, "abs", None, b, activations=activations)(v.contiguous(), float(t))
+        own = _own(q_t, qs, b, activations)(v.contiguous(), float(t))
         torch.testing.assert_close(y[at:at + q_t.shape[1]], own.reshape(-1), atol=0, rtol=0)
         at += q_t.shape[1]
     assert at == y.numel()
@@ -97,18 +116,18 @@ def test_members_with_their_own_inputs_are_not_grouped():
     other = v * 2
     args = ([v, other], [m[0] for m in members], [m[1] for m in members], [m[2] for m in members], "abs",
             [None, None], [m[3] for m in members])
-    assert op_native.grouped_native(*args, activations="int8") is None
+    assert op_native.grouped_native(*args, activations="int8", block=BLOCK) is None
     with torch.inference_mode():
-        y = _op("decode_masked_grouped_a8")(*args)
+        y = _grouped_op("int8")(*args)
     for (q_t, qs, t, b), x, (start, end) in zip(members, (v, other), ((0, 64), (64, 80))):
-        own = cg.NativeCall.bind(q_t, qs, "abs", None, b, activations="int8")(x.contiguous(), float(t))
+        own = _own(q_t, qs, b, "int8")(x.contiguous(), float(t))
         torch.testing.assert_close(y[start:end], own.reshape(-1), atol=0, rtol=0)
 
 
 def test_bound_once_and_rebound_when_the_threshold_moves():
     q_t, qs, v, t, _, b = test_w8a8._problem(130, 64, "abs", 0.5, seed=4)
     thr = torch.tensor(float(t))
-    op = _op("decode_masked_a8")
+    op = _masked_op("int8")
     with torch.inference_mode():
         before = op_native.bound_count()
         first = op(q_t, qs, v, thr, "abs", None, b)
@@ -125,7 +144,7 @@ def test_freed_weights_end_their_binding():
     q_t, qs, v, t, _, b = test_w8a8._problem(64, 32, "abs", 0.5, seed=5)
     thr = torch.tensor(float(t))
     with torch.inference_mode():
-        _op("decode_masked_a8")(q_t, qs, v, thr, "abs", None, b)
+        _masked_op("int8")(q_t, qs, v, thr, "abs", None, b)
     (binding,) = op_native.bindings()
     assert binding.current()
     del q_t
@@ -139,9 +158,9 @@ def test_half_token_with_int8_weights(dtype):
     q_t, qs, v, t, _, b = test_w8a8._problem(130, 64, "abs", 0.5, seed=7)
     v = v.to(dtype)
     with torch.inference_mode():
-        y = _op("decode_masked_a8")(q_t, qs, v, torch.tensor(float(t)), "abs", None, b)
+        y = _masked_op("int8")(q_t, qs, v, torch.tensor(float(t)), "abs", None, b)
     assert y.dtype == dtype
-    own = cg.NativeCall.bind(q_t, qs, "abs", None, b, activations="int8")(v.float().contiguous(), float(t))
+    own = _own(q_t, qs, b, "int8")(v.float().contiguous(), float(t))
     torch.testing.assert_close(y, own.to(dtype), atol=0, rtol=0)
 
 

@@ -105,7 +105,8 @@ def models():
 
 def _matrix(layer) -> compute.Matrix:
     if hasattr(layer, "qweight"):
-        return compute.Matrix(q_t=layer.qweight, qscale=layer.weight_scale, activations=layer.activations)
+        return compute.Matrix(q_t=layer.qweight, qscale=layer.weight_scale, activations=layer.activations,
+                              block=layer.activation_block)
     return compute.Matrix(weight=layer.weight)
 
 
@@ -117,7 +118,7 @@ def _slice(m: compute.Matrix, rows=None, cols=None) -> compute.Matrix:
             q, s = q[:, rows[0]:rows[0] + rows[1]], s[rows[0]:rows[0] + rows[1]]
         if cols:
             q = q[cols[0]:cols[0] + cols[1]]
-        return compute.Matrix(q_t=q.contiguous(), qscale=s.contiguous(), activations=m.activations)
+        return compute.Matrix(q_t=q.contiguous(), qscale=s.contiguous(), activations=m.activations, block=m.block)
     w = m.weight
     if rows:
         w = w[rows[0]:rows[0] + rows[1]]

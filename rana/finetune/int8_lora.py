@@ -5,7 +5,7 @@ While training, the base stays what the folder holds: int8 codes (`qweight`, in 
 full-precision copy resident. The forward dequantizes the weight for the call; with gradients wanted
 (`_Int8Matmul`) autograd saves the int8 codes, not the dequantized matrix, and the backward dequantizes
 again to pass the gradient to the input (the codes, scales and bias are frozen: no gradient of their own).
-With int8 activations (W8A8) the base multiplies each token's inputs quantized per block of 64, as it decodes; the
+With int8 activations (W8A8) the base multiplies each token's inputs quantized per block, as it decodes; the
 gradient passes straight through that rounding. The adapters `lora_A` / `lora_B` are ordinary linears in the base's
 compute dtype, added on top of the base output exactly as peft's own `Linear` does.
 

@@ -17,7 +17,7 @@ import torch
 import torch.nn as nn
 
 from ..modules import rebuild
-from ..modules.int8 import activations_of
+from ..modules.int8 import activation_format_of
 from ..modules.registry import adapter_class
 from .compress_settings import CompressSettings  # re-exported: it moved to its own module
 # the names every loader shares (rana.load, the quantizer, an export's remote code) are written once there
@@ -81,12 +81,13 @@ def install_empty_adapters(model: nn.Module, specs: list[dict], dtype: torch.dty
 
 def weights_meta(model: nn.Module) -> dict:
     """rana_config.json's record of int8 weights: {"weights": "int8", "int8": {"modules": [paths], "activations":
-    "float" | "int8"}} when the model holds int8 modules (every path's module is rebuilt as int8 before the weights
-    load, decoding its tokens as `activations` says), else {}."""
+    "float" | "int8", "activation_block": B (int8 activations)}} when the model holds int8 modules (every path's
+    module is rebuilt as int8 before the weights load, decoding its tokens as the activation format says), else
+    {}."""
     paths = rebuild.int8_paths(model)
     if not paths:
         return {}
-    return {"weights": "int8", "int8": {"modules": paths, "activations": activations_of(model)}}
+    return {"weights": "int8", "int8": {"modules": paths, **activation_format_of(model)}}
 
 
 __all__ = ["WEIGHT_FORMATS", "weights_meta", "FORMAT_VERSION", "WEIGHTS", "WEIGHTS_INDEX", "RANA_CONFIG", "PLAN", "ModelLoadError", "CompressSettings",

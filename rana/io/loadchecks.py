@@ -30,7 +30,7 @@ import torch.nn as nn
 
 from ..archs.base import text_config
 from ..errors import UserError
-from ..modules.int8 import ACTIVATIONS, holds_int8
+from ..modules.int8 import A8_BLOCK_MAX, ACTIVATIONS, holds_int8
 from ..modules.rebuild import failed_stage, install_rana
 from ..modules.registry import ADAPTER_KINDS
 from .jsonfile import nesting_depth, read_json
@@ -207,9 +207,17 @@ def _check_version(v, field: str) -> None:
         raise FieldError(f"'{field}' {v!r} is newer than this rana reads ({FORMAT_VERSION}); upgrade rana")
 
 
+def _check_block(v, field: str) -> None:
+    integer(1, f"an integer from 1 to {A8_BLOCK_MAX}")(v, field)
+    if v > A8_BLOCK_MAX:
+        _fail(field, f"an integer from 1 to {A8_BLOCK_MAX}", v)
+
+
 def _check_int8(v, field: str) -> None:
-    # activations: how the int8 modules multiply their tokens (absent: "float", what folders recorded before)
-    record({"modules": list_of(text()), "activations": optional(text(ACTIVATIONS))}, required=("modules",))(v, field)
+    # activations: how the int8 modules multiply their tokens (absent: "float", what folders recorded before);
+    # activation_block: int8 activations' inputs per scale (absent: 64, what every W8A8 folder held before)
+    record({"modules": list_of(text()), "activations": optional(text(ACTIVATIONS)),
+            "activation_block": optional(_check_block)}, required=("modules",))(v, field)
     if len(set(v["modules"])) != len(v["modules"]):
         raise FieldError(f"'{field}.modules' names a path twice")
 

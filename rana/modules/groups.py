@@ -106,8 +106,8 @@ class DecodeGroup:
         if any(o is None for o in operands):
             return None  # a peft-wrapped child: LoRA must run
         vs, ws, ts, scales = (list(c) for c in zip(*operands))
-        if len({(w.format, w.backend) for w in ws}) != 1:
-            return None  # int8 beside full-precision siblings: each decodes on its own
+        if len({(w.format, w.backend, w.activations, w.block) for w in ws}) != 1:
+            return None  # int8 beside full-precision siblings (or another activation format): each on its own
         if torch.is_grad_enabled() and (x.requires_grad or any(w.requires_grad for w in ws)):
             return None  # the kernels have no backward
         flat = decode_masked_grouped(ws, vs, ts, self.mode, scales, self.decode_bin)

@@ -24,7 +24,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from ..kernels.cpu_gemv import ACTIVATIONS
+from ..kernels.cpu_gemv import A8_BLOCK_MAX, A8_BLOCK_UNRECORDED, ACTIVATIONS
 from ..kernels.route import decode_masked
 from ..kernels.torch_gemv import quantize_activations
 from ..kernels.weights import Int8Weight
@@ -35,29 +35,40 @@ def int8_weight(owner: nn.Module) -> Int8Weight:
     """The operand of the int8 weights `owner` holds (an Int8Linear, the int8 LM head): its `qweight`,
     `weight_scale` and `bias`, and its activation format."""
     return Int8Weight(owner._buffers["qweight"], owner._buffers["weight_scale"], owner._parameters["bias"],
-                      owner.activations)
+                      owner.activations, owner.activation_block)
 
 
 def int8_weight_current(operand: Int8Weight, owner: nn.Module) -> bool:
     buffers = owner._buffers
     return operand.q_t is buffers["qweight"] and operand.qscale is buffers["weight_scale"] and \
-        operand.bias is owner._parameters["bias"] and operand.activations == owner.activations
+        operand.bias is owner._parameters["bias"] and operand.activations == owner.activations and \
+        operand.block == owner.activation_block
 
 
 def quantize_input(owner: nn.Module, x: torch.Tensor) -> torch.Tensor:
     """`x` as `owner` (an int8 module) multiplies it on its torch path: unchanged for float activations, each
-    token's nonzero inputs quantized per block of 64 and back (in x's dtype) for int8 ones, as the kernels do."""
+    token's nonzero inputs quantized per block of its `activation_block` and back (in x's dtype) for int8 ones, as
+    the kernels do."""
     if owner.activations != "int8":
         return x
-    return quantize_activations(x).to(x.dtype)
+    return quantize_activations(x, block=owner.activation_block).to(x.dtype)
 
 
-def activations_of(model: nn.Module) -> str | None:
-    """The activation format of `model`'s int8 modules (None: it holds none); ValueError if they differ."""
-    found = {m.activations for m in model.modules() if holds_int8(m)}
+def activation_format(module: nn.Module) -> dict:
+    """How an int8 module multiplies its tokens, as a folder's `int8` record says it: {"activations": "float"} or
+    {"activations": "int8", "activation_block": B}."""
+    if module.activations == "int8":
+        return {"activations": "int8", "activation_block": int(module.activation_block)}
+    return {"activations": module.activations}
+
+
+def activation_format_of(model: nn.Module) -> dict | None:
+    """The activation format (:func:`activation_format`) of `model`'s int8 modules (None: it holds none);
+    ValueError if they differ."""
+    found = {tuple(activation_format(m).items()) for m in model.modules() if holds_int8(m)}
     if len(found) > 1:
-        raise ValueError(f"the int8 modules mix activation formats {sorted(found)}")
-    return found.pop() if found else None
+        raise ValueError(f"the int8 modules mix activation formats {sorted(dict(f) for f in found)}")
+    return dict(found.pop()) if found else None
 
 
 def own_int8_weight(owner: nn.Module) -> Int8Weight:
@@ -77,6 +88,9 @@ class Int8Linear(nn.Module):
     # set on load (rana.modules.rebuild.install_int8) and by `rana quantize`, never in the state dict; a kept operand
     # is checked against it (int8_weight_current)
     activations = "float"
+    # int8 activations: the inputs quantized per scale (1..A8_BLOCK_MAX); a folder's `int8.activation_block`, set
+    # as `activations` is; a folder that records none was written when every block held 64
+    activation_block = A8_BLOCK_UNRECORDED
 
     def __init__(self, in_features: int, out_features: int, bias: bool = True, *, dtype: torch.dtype = torch.float32,
                  device=None):
@@ -151,4 +165,4 @@ def holds_int8(module: nn.Module) -> bool:
 register_layer_weight(Int8Linear, int8_weight, int8_weight_current)
 
 __all__ = ["Int8Linear", "int8_weight", "int8_weight_current", "own_int8_weight", "is_int8", "holds_int8",
-           "quantize_input", "activations_of", "ACTIVATIONS"]
+           "quantize_input", "activation_format", "activation_format_of", "ACTIVATIONS", "A8_BLOCK_MAX"]

@@ -7,7 +7,7 @@ import torch.nn as nn
 
 from ..kernels.weights import FloatWeight
 from .common import Adapter, MacMeter, MaskedDecode, column_major_linear, restore_layouts
-from .int8 import own_int8_weight, quantize_input
+from .int8 import Int8Linear, own_int8_weight, quantize_input
 from .operands import keep_operand, kept_operand
 from .registry import register_adapter
 
@@ -339,6 +339,7 @@ class Int8InputSparseHead(InputSparseHead):
     _float32_buffers = ("threshold", "weight_scale")
     int8_weights = True  # its weights are int8 codes (rana.modules.int8.holds_int8)
     activations = "float"  # "int8": its tokens quantized as Int8Linear's are (Int8Linear.activations)
+    activation_block = Int8Linear.activation_block
 
     def __init__(self, in_features: int, out_features: int, bias: bool, threshold: float, *,
                  dtype: torch.dtype = torch.float32, device=None):

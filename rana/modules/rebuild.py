@@ -26,6 +26,7 @@ import torch.nn as nn
 from ..errors import UserError
 from ..archs import set_submodule
 from .groups import link_decode_groups
+from ..kernels.cpu_gemv import A8_BLOCK_UNRECORDED
 from .int8 import Int8Linear, holds_int8
 from .laurel import LaurelConfig, apply_laurel
 from .registry import ADAPTER_KINDS, adapter_class, build_adapter, build_order, declared
@@ -64,10 +65,12 @@ def int8_form(module: nn.Module, q: torch.Tensor | None = None, scale: torch.Ten
     raise ValueError(f"a {type(module).__name__} has no int8 form (only linear layers and the input-sparse LM head)")
 
 
-def install_int8(model: nn.Module, paths: list[str], activations: str = "float") -> None:
+def install_int8(model: nn.Module, paths: list[str], activations: str = "float",
+                 activation_block: int = A8_BLOCK_UNRECORDED) -> None:
     """Swap the modules at `paths` (a folder's `int8.modules`) for empty int8 ones of their shapes, after
     the adapters are installed and before the weights load; they multiply their tokens as `activations` (the
-    folder's `int8.activations`) says."""
+    folder's `int8.activations`) and `activation_block` (its `int8.activation_block`; absent in folders written
+    when every block held 64) say."""
     for path in paths:
         m = model.get_submodule(path)
         if not holds_int8(m):
@@ -76,7 +79,7 @@ def install_int8(model: nn.Module, paths: list[str], activations: str = "float")
             except ValueError as e:
                 raise UserError(f"int8 weights recorded for '{path}': {e}") from None
             set_submodule(model, path, m)
-        m.activations = activations
+        m.activations, m.activation_block = activations, activation_block
 
 
 # ---------------------------------------------------------------------------------------------- the rebuild
@@ -107,7 +110,8 @@ def install_rana(model: nn.Module, record: dict, dtype: torch.dtype, *, record_n
         install_empty_adapters(model, list(record.get("adapters") or []), dtype, record_name)
         if record.get("weights", "none") == "int8":  # int8 weights (rana.modules.int8): empty, before the weights
             int8 = record.get("int8") or {}
-            install_int8(model, list(int8.get("modules") or []), int8.get("activations") or "float")
+            install_int8(model, list(int8.get("modules") or []), int8.get("activations") or "float",
+                         int8.get("activation_block") or A8_BLOCK_UNRECORDED)
     laurel = record.get("laurel")
     if laurel:
         with _stage("laurel settings"):

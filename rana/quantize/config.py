@@ -13,6 +13,9 @@ DEFAULT_CALIB_TOKENS = 8192  # --calib-tokens' default (also bench_int8's)
 # +0.0-0.8 % above it (benchmarks/results/int8_cpu.md)
 DEFAULT_ACTIVATIONS = "int8"
 ACTIVATION_CHOICES = ("int8", "float")  # kernels/cpu_gemv.py ACTIVATIONS, the default first (torch-free here)
+# --activation-block's default: the inputs of a token quantized per fp32 scale (W8A8)
+DEFAULT_ACTIVATION_BLOCK = 32
+MAX_ACTIVATION_BLOCK = 64  # kernels/cpu_gemv.py A8_BLOCK_MAX
 
 
 class QuantizeError(UserError):
@@ -27,8 +30,11 @@ class QuantizeConfig(Settings):
                            flags=("--weights",), required=True)
     out: Path = setting(None, "output folder (must not exist unless --overwrite)", flags=("--out", "-o"), required=True)
     activations: str = setting(DEFAULT_ACTIVATIONS, "how the int8 layers multiply a token: int8 (W8A8: its kept inputs "
-                                                    "quantized per block of 64, int8 x int8 sums) or float (W8A16)",
+                                                    "quantized per block, int8 x int8 sums) or float (W8A16)",
                                flags=("--activations",))
+    activation_block: int = setting(DEFAULT_ACTIVATION_BLOCK, "W8A8: a token's inputs quantized per fp32 scale (smaller: "
+                                                              "closer to float, more scales to apply)",
+                                    flags=("--activation-block",), min=1, max=MAX_ACTIVATION_BLOCK)
     dataset: str | None = setting(None, "calibration text: local .txt/.jsonl/.parquet file or folder, or a hub dataset "
                                         "(default: bundled corpus)")
     calib_tokens: int = setting(DEFAULT_CALIB_TOKENS, "calibration tokens for the scales and the threshold refit (0: "
@@ -51,4 +57,4 @@ class QuantizeConfig(Settings):
                                 f"got {self.activations!r}")
 
 
-__all__ = ["DEFAULT_CALIB_TOKENS", "DEFAULT_ACTIVATIONS", "QuantizeConfig", "QuantizeError"]
+__all__ = ["DEFAULT_CALIB_TOKENS", "DEFAULT_ACTIVATIONS", "DEFAULT_ACTIVATION_BLOCK", "QuantizeConfig", "QuantizeError"]

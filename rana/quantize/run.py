@@ -45,6 +45,7 @@ from ..io.format import WEIGHT_FORMATS
 from ..io.paths import OutputExistsError, check_output
 from ..math.masks import subsample_rows, threshold_for_keep_fraction
 from ..math.quantize import CLIP_RATIOS, quantize_int8, relative_output_error
+from ..kernels.cpu_gemv import check_a8_block
 from ..modules.int8 import ACTIVATIONS, holds_int8
 from ..modules.experts import InputSparseExperts
 from ..modules.rebuild import int8_form, int8_paths
@@ -52,7 +53,7 @@ from ..modules.registry import declared
 from ..units import Progress
 # config.py sits below this module and holds what both need; DEFAULT_CALIB_TOKENS and QuantizeError stay
 # importable from here too (__all__)
-from .config import DEFAULT_ACTIVATIONS, DEFAULT_CALIB_TOKENS, QuantizeConfig, QuantizeError
+from .config import DEFAULT_ACTIVATION_BLOCK, DEFAULT_ACTIVATIONS, DEFAULT_CALIB_TOKENS, QuantizeConfig, QuantizeError
 
 SCORE_ELEMENTS = 1 << 24  # scores kept per adapter while refitting its threshold (rows × mask width)
 
@@ -274,15 +275,15 @@ def _refit_layer(layer: nn.Module, batches: list[tuple[torch.Tensor, dict]], tar
 
 # ---------------------------------------------------------------------------------------------- the model
 def _quantize_module(model: nn.Module, path: str, hessian: torch.Tensor | None, clip_ratios,
-                     activations: str) -> float:
-    """Replace the module at `path` by its int8 form, multiplying its tokens as `activations`; returns its
-    relative output error."""
+                     activations: str, block: int) -> float:
+    """Replace the module at `path` by its int8 form, multiplying its tokens as `activations` (int8: per `block`
+    inputs); returns its relative output error."""
     m = model.get_submodule(path)
     w = m.weight.detach()
     q, s = quantize_int8(w, hessian, clip_ratios=clip_ratios)
     err = relative_output_error(w, q, s, hessian)
     new = int8_form(m, q, s)
-    new.activations = activations
+    new.activations, new.activation_block = activations, block
     set_submodule(model, path, new)
     return err
 
@@ -296,14 +297,20 @@ def _refresh_norms(root: nn.Module) -> None:
 
 @torch.no_grad()
 def quantize_model(model: nn.Module, calibration=None, *, batch_size: int = 8, clip_ratios=CLIP_RATIOS,
-                   progress: Progress | None = None, activations: str = DEFAULT_ACTIVATIONS) -> dict:
+                   progress: Progress | None = None, activations: str = DEFAULT_ACTIVATIONS,
+                   activation_block: int = DEFAULT_ACTIVATION_BLOCK) -> dict:
     """Quantize `model` (a rana model, or a dense one) to int8 weights in place; returns the report that
     plan.json keeps as `quantization`. `calibration`: token ids (sequences × length) or an object with
     `.fit` (rana.data.CalibrationData); None: max-abs scales, thresholds kept. `activations`: how the int8
-    modules multiply their tokens ("int8": W8A8, "float": W8A16); the refit sees the model decoding that way.
+    modules multiply their tokens ("int8": W8A8, each token's inputs quantized per `activation_block`; "float":
+    W8A16); the refit sees the model decoding that way.
     See the module docstring."""
     if activations not in ACTIVATIONS:
         raise QuantizeError(f"--activations must be one of {', '.join(ACTIVATIONS)}, got {activations!r}")
+    try:
+        check_a8_block(activation_block)
+    except ValueError as e:
+        raise QuantizeError(f"--activation-block: {e}") from None
     check_quantizable(model)
     spec = get_arch(model.config)
     ids = getattr(calibration, "fit", calibration)
@@ -313,12 +320,13 @@ def quantize_model(model: nn.Module, calibration=None, *, batch_size: int = 8, c
     targets = quantize_targets(model, spec)
     untied = untie_head(model, spec)
     report = {"weights": "int8", "activations": activations, "scales": "float32, per output channel",
+              **({"activation_block": activation_block} if activations == "int8" else {}),
               "clip_ratios": list(clip_ratios),
               "calibration_tokens": 0 if ids is None else int(ids.numel()), "untied_head": untied, "modules": []}
     if ids is None:
         for i, path in enumerate(targets):
             report["modules"].append({"path": path, "relative_error": _quantize_module(model, path, None, clip_ratios,
-                                                                                      activations)})
+                                                                                      activations, activation_block)})
         _refresh_norms(model)
         report["refit"] = None
         report["wall_time_s"] = time.perf_counter() - t0
@@ -335,7 +343,7 @@ def quantize_model(model: nn.Module, calibration=None, *, batch_size: int = 8, c
         moments = _second_moments(layer, layer_batches, local)
         for name in local:
             h = moments.get(name, (None, None))[0]
-            err = _quantize_module(layer, name, h, clip_ratios, activations)
+            err = _quantize_module(layer, name, h, clip_ratios, activations, activation_block)
             report["modules"].append({"path": f"{prefix}.{name}", "relative_error": err})
         _refresh_norms(layer)
         fitted.update(_refit_layer(layer, layer_batches, before, prefix))
@@ -354,7 +362,7 @@ def quantize_model(model: nn.Module, calibration=None, *, batch_size: int = 8, c
             fitted[spec.lm_head] = t
             xs = [x * (x.abs() >= head.threshold) for x in xs]  # the inputs the head multiplies
         hessian = sum(x.float().t() @ x.float() for x in xs)
-        err = _quantize_module(model, spec.lm_head, hessian, clip_ratios, activations)
+        err = _quantize_module(model, spec.lm_head, hessian, clip_ratios, activations, activation_block)
         report["modules"].append({"path": spec.lm_head, "relative_error": err})
     after = active_fractions(model, ids, batch_size)
     report["refit"] = {path: {"fraction_before": b["fraction"], "fraction_after": after.get(path, {}).get("fraction"),
@@ -419,12 +427,14 @@ def quantize_folder(config: QuantizeConfig,
             raise QuantizeError(f"'{src}' has no tokenizer to read calibration text with; pass --calib-tokens 0 "
                                 "(max-abs scales, thresholds kept)")
         ids = calibration_ids(tokenizer, dataset, calib_tokens, seq_len, seed)
-    report = quantize_model(model, ids, batch_size=batch_size, progress=progress, activations=config.activations)
+    report = quantize_model(model, ids, batch_size=batch_size, progress=progress, activations=config.activations,
+                            activation_block=config.activation_block)
     plan = read_plan(src) or {}
     plan["weights"] = "int8"
     plan["quantization"] = report
     extra = {k: v for k, v in meta.items() if k not in ("format_version", "dtype", "adapters", "weights", "int8")}
-    extra["quantize_config"] = {"weights": weights, "activations": config.activations, "dataset": dataset, "calib_tokens": calib_tokens,
+    extra["quantize_config"] = {"weights": weights, "activations": config.activations,
+                                "activation_block": config.activation_block, "dataset": dataset, "calib_tokens": calib_tokens,
                                 "seq_len": seq_len, "batch_size": batch_size, "seed": seed}
     save(model, tokenizer, out, plan=plan, extra=extra, overwrite=overwrite)
     return out, report

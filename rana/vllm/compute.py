@@ -25,7 +25,7 @@ from typing import Callable, Optional
 import torch
 import torch.nn.functional as F
 
-from ..kernels.cpu_gemv import NativeGroup
+from ..kernels.cpu_gemv import A8_BLOCK_UNRECORDED, NativeGroup
 from ..kernels.route import decode_masked, decode_masked_grouped, sparsity_bin
 from ..kernels.torch_gemv import quantize_activations
 from ..kernels.weights import FloatWeight, Int8Weight
@@ -42,6 +42,7 @@ class Matrix:
     q_t: Optional[torch.Tensor] = None
     qscale: Optional[torch.Tensor] = None
     activations: str = "float"
+    block: int = A8_BLOCK_UNRECORDED  # int8 activations: the inputs quantized per scale
 
     @property
     def int8(self) -> bool:
@@ -57,7 +58,7 @@ class Matrix:
     def operand(self, bias: Optional[torch.Tensor] = None):
         """The decode route's operand (weights in the masked kernels' layout: one input, one contiguous row)."""
         if self.int8:
-            return Int8Weight(self.q_t, self.qscale, bias, self.activations)
+            return Int8Weight(self.q_t, self.qscale, bias, self.activations, self.block)
         return FloatWeight(self.weight, bias)
 
 
@@ -85,7 +86,7 @@ class Code:
         if w is None:
             w = self.dequantized[x.dtype] = m.dequantized(x.dtype)
         if m.activations == "int8":
-            x = quantize_activations(x).to(x.dtype)
+            x = quantize_activations(x, block=m.block).to(x.dtype)
         return F.linear(x, w)
 
 
@@ -158,8 +159,8 @@ class LayerState:
     def _groups(self, dense_for) -> list:
         groups, run = [], []
         for p in self.parts:
-            same = run and (p.code, p.mode, p.matrix.int8, p.matrix.activations) == \
-                (run[0].code, run[0].mode, run[0].matrix.int8, run[0].matrix.activations) \
+            same = run and (p.code, p.mode, p.matrix.int8, p.matrix.activations, p.matrix.block) == \
+                (run[0].code, run[0].mode, run[0].matrix.int8, run[0].matrix.activations, run[0].matrix.block) \
                 and p.scale is None and run[0].scale is None and _same(p.threshold, run[0].threshold)
             if same:
                 run.append(p)
@@ -259,7 +260,8 @@ class LayerState:
             first = group.parts[0]
             v = first.masked(self._input(first, x, zs))
             if first.matrix.int8 and first.matrix.activations == "int8":
-                v = quantize_activations(v).to(v.dtype)  # W8A8: each token's kept inputs as the kernels take them
+                # W8A8: each token's kept inputs as the kernels take them
+                v = quantize_activations(v, block=first.matrix.block).to(v.dtype)
             offset, rows = group.rows
             ys.append(group.dense(v, None if bias is None else bias.narrow(0, offset, rows)))
         return ys[0] if len(ys) == 1 else torch.cat(ys, dim=-1)

@@ -10,6 +10,7 @@ from vllm.model_executor.layers.linear import LinearBase, UnquantizedLinearMetho
 from vllm.model_executor.layers.quantization.base_config import QuantizationConfig
 from vllm.model_executor.layers.vocab_parallel_embedding import ParallelLMHead
 
+from ..kernels.cpu_gemv import A8_BLOCK_UNRECORDED
 from .layout import INT8_DENSE, NotServed, adapters_by_path, fused_parts, refusal, weight_renames
 from .support import check_vllm
 
@@ -27,6 +28,7 @@ class RanaVllmConfig(QuantizationConfig):
         int8 = record.get("int8") or {}
         self.int8_modules = set(int8.get("modules") or []) if record.get("weights") == "int8" else set()
         self.activations = int8.get("activations") or "float"
+        self.activation_block = int8.get("activation_block") or A8_BLOCK_UNRECORDED  # int8 activations' block
 
     # ---- what vLLM asks every quantization config -------------------------------------------------
     def get_name(self) -> str:

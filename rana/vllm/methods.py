@@ -17,7 +17,6 @@ from vllm.model_executor.layers.linear import (LinearMethodBase, MergedColumnPar
                                                RowParallelLinear)
 from vllm.model_executor.layers.quantization.base_config import QuantizeMethodBase
 
-from ..kernels.torch_gemv import A8_BLOCK
 from . import compute
 from .layout import (INT8_DENSE, SERVED, NotServed, Partition, active_fraction, column_partitions, local_shape, qkv_starts, shard,
                      threshold_of)
@@ -113,10 +112,11 @@ class RanaLinearMethod(LinearMethodBase):
         if row_parallel and tp_size > 1 and any(s.code for s in self.served):
             raise NotServed(f"rana: {self.prefix} is a rank adapter on a row-parallel layer: its code z = B x needs the "
                             f"whole input, which tensor parallelism splits; serve it with tensor_parallel_size=1")
-        if row_parallel and tp_size > 1 and self.config.activations == "int8" and input_size_per_partition % A8_BLOCK:
-            raise NotServed(f"rana: W8A8 quantizes each token's inputs in blocks of {A8_BLOCK}; tensor parallelism splits "
+        block = self.config.activation_block
+        if row_parallel and tp_size > 1 and self.config.activations == "int8" and input_size_per_partition % block:
+            raise NotServed(f"rana: W8A8 quantizes each token's inputs in blocks of {block}; tensor parallelism splits "
                             f"the {input_size} inputs of {self.prefix} into {input_size_per_partition} per rank, which "
-                            f"cuts blocks: serve this folder with a tensor_parallel_size that keeps {A8_BLOCK} | inputs per rank")
+                            f"cuts blocks: serve this folder with a tensor_parallel_size that keeps {block} | inputs per rank")
         by_id = {p.shard_id: p for p in parts}
         in_local = input_size_per_partition
 
@@ -164,7 +164,7 @@ class RanaLinearMethod(LinearMethodBase):
         if (child, "weight") in stored:
             return compute.Matrix(weight=stored[child, "weight"].view(key))
         return compute.Matrix(q_t=stored[child, "qweight"].view(key), qscale=stored[child, "weight_scale"].view(key),
-                              activations=self.config.activations)
+                              activations=self.config.activations, block=self.config.activation_block)
 
     def process_weights_after_loading(self, layer) -> None:
         for (child, name), st in layer.rana_stored.items():
@@ -262,7 +262,8 @@ class RanaHeadMethod(QuantizeMethodBase):
         if self.int8:
             if layer.rana_loaded != {1, 2}:
                 raise NotServed("rana: the checkpoint lacks lm_head.qweight or lm_head.weight_scale: re-export the model")
-            m = compute.Matrix(q_t=layer.qweight.data, qscale=layer.weight_scale.data, activations=self.config.activations)
+            m = compute.Matrix(q_t=layer.qweight.data, qscale=layer.weight_scale.data, activations=self.config.activations,
+                               block=self.config.activation_block)
         else:
             m = compute.Matrix(weight=compute.column_major(layer.weight.data))
         device = layer.rana_anchor.device
