@@ -276,25 +276,21 @@ static int64_t rana_masked_i8(const int8_t* __restrict w, const float* __restric
    signed bytes, so the weights are offset by 128 with one xor and the block subtracts 128 * sum q once; AVX2:
    vpmaddubsw on |q| and the weights signed by q, then vpmaddwd). The interleave works inside 128-bit lanes, so
    the sums of a 64 (32) column chunk sit in a fixed permuted order; they stay so until the end, where one 4 x 4
-   (2 x 2) lane transpose puts them in order. The int32 sums of a block are flushed into fp32 (times s_b) when the
-   block ends. Which loop runs is the operands' `isa`: Python asks rana_a8_isa_best() (what this CPU and build
+   (2 x 2) lane transpose puts them in order. The vector loops go block by block and, inside a block, one chunk
+   of columns at a time: the block's int32 sums of the chunk stay in registers and are flushed into the fp32
+   sums (times s_b) once, and the block's rows are read side by side while the next block's are prefetched. The
+   order before (rows outer, every group's int32 sums loaded and stored, flushed per block) paid 2-12 % more at
+   blocks of 32 than of 64; this one runs blocks of 32 at that order's speed of 64 or faster, from memory
+   (benchmarks/results/kernels_w8a8_cpu.md). Which loop runs is the operands' `isa`: Python asks rana_a8_isa_best() (what this CPU and build
    can run) and may choose a narrower one (RANA_CPU_ISA, tests).
    --------------------------------------------------------------------------------------------------------------- */
 #define RANA_A8_BLOCK_MAX 64  /* the widest block (llama.cpp's Q8_0 takes 32) */
 #ifndef RANA_A8_AHEAD
-#define RANA_A8_AHEAD 16       /* rows prefetched ahead of the group being summed */
-#endif
-#ifndef RANA_A8_LOCALITY
-#define RANA_A8_LOCALITY 1
+#define RANA_A8_AHEAD 32  /* the rows after a block's, prefetched while it is summed */
 #endif
 #ifndef RANA_A8_LINES
-#define RANA_A8_LINES 16
+#define RANA_A8_LINES 32  /* the lines of each such row prefetched (a row's first 2 KB; the rest the hardware's) */
 #endif
-static inline void rana_prefetch_a8(const int8_t* r, int64_t width) {
-    int64_t lines = (width + 63) / 64;
-    if (lines > RANA_A8_LINES) lines = RANA_A8_LINES;
-    for (int64_t l = 0; l < lines; ++l) __builtin_prefetch(r + l * 64, 0, RANA_A8_LOCALITY);
-}
 #define RANA_ISA_SCALAR 0
 #define RANA_ISA_AVX2 1
 #define RANA_ISA_AVX512_VNNI 2
@@ -407,15 +403,6 @@ static int rana_a8_columns(int64_t width) {
     return 1;
 }
 
-/* The vector loops' rows of group g (row pointers into w, which starts at the loop's first column), after
-   prefetching the rows RANA_A8_AHEAD ahead of them. */
-static inline void rana_a8_group_rows(const int8_t* w, int64_t ldw, const rana_a8_tokens* s, int64_t g,
-                                      int64_t groups, int64_t width, const int8_t* r[4]) {
-    for (int64_t p = 4 * g + RANA_A8_AHEAD; p < 4 * g + RANA_A8_AHEAD + 4 && p < 4 * groups; ++p)
-        rana_prefetch_a8(w + s->rows[p] * ldw, width);
-    for (int i = 0; i < 4; ++i) r[i] = w + s->rows[4 * g + i] * ldw;
-}
-
 /* The portable loop for columns [c0, c1) of the sums (natural order), rows read at w + c0. */
 static void rana_a8_cols_c(const int8_t* __restrict w, int64_t ldw, const rana_a8_tokens* __restrict s,
                            int64_t blocks, int64_t c0, int64_t c1, int32_t* __restrict acc, float* __restrict sum) {
@@ -438,49 +425,85 @@ static void rana_a8_cols_c(const int8_t* __restrict w, int64_t ldw, const rana_a
 }
 
 #ifdef RANA_X86
+/* The AVX-512 VNNI loop, block by block and, inside a block, 128 columns at a time: the block's groups are summed
+   into eight int32 registers (started at -128 * sum q, the offset's correction), which are scaled into the fp32
+   sums once, so no int32 sum goes to memory and a block costs one fp32 update per column however few rows it
+   keeps. The block's rows are read side by side, 128 bytes of each per step, while the first lines of the next
+   block's rows are prefetched (short rows, a down projection's, are over before the hardware prefetcher starts). */
+/* Lines [l0, l1) (byte offsets, only those within the first RANA_A8_LINES lines) of `count` rows listed in
+   `rows`: the next block's rows, fetched while a block is summed. */
+static inline void rana_a8_prefetch_lines(const int8_t* w, int64_t ldw, const int32_t* rows, int64_t count,
+                                          int64_t l0, int64_t l1) {
+    if (l1 > 64 * RANA_A8_LINES) l1 = 64 * RANA_A8_LINES;
+    for (int64_t l = l0; l < l1; l += 64)
+        for (int64_t p = 0; p < count; ++p) __builtin_prefetch(w + rows[p] * ldw + l, 0, 1);
+}
+
+/* The first block's rows, before the loop reaches them. */
+static inline void rana_a8_prefetch_first(const int8_t* w, int64_t ldw, const rana_a8_tokens* s, int64_t blocks,
+                                          int64_t width) {
+    const int64_t total = 4 * s->start[blocks];
+    rana_a8_prefetch_lines(w, ldw, s->rows, total < RANA_A8_AHEAD ? total : RANA_A8_AHEAD, 0, width);
+}
+
+/* One group's 4 rows, columns [c, c + 64), into the four int32 sums `acc` (in the interleave's order). */
+__attribute__((target("avx512f,avx512bw,avx512vnni"), always_inline))
+static inline void rana_vnni_group(const int8_t* const* r, int64_t c, __m512i word, __m512i offset, __m512i* acc) {
+    const __m512i a0 = _mm512_xor_si512(_mm512_loadu_si512((const void*)(r[0] + c)), offset);
+    const __m512i a1 = _mm512_xor_si512(_mm512_loadu_si512((const void*)(r[1] + c)), offset);
+    const __m512i a2 = _mm512_xor_si512(_mm512_loadu_si512((const void*)(r[2] + c)), offset);
+    const __m512i a3 = _mm512_xor_si512(_mm512_loadu_si512((const void*)(r[3] + c)), offset);
+    const __m512i t0 = _mm512_unpacklo_epi8(a0, a1), t1 = _mm512_unpackhi_epi8(a0, a1);
+    const __m512i t2 = _mm512_unpacklo_epi8(a2, a3), t3 = _mm512_unpackhi_epi8(a2, a3);
+    acc[0] = _mm512_dpbusd_epi32(acc[0], _mm512_unpacklo_epi16(t0, t2), word);
+    acc[1] = _mm512_dpbusd_epi32(acc[1], _mm512_unpackhi_epi16(t0, t2), word);
+    acc[2] = _mm512_dpbusd_epi32(acc[2], _mm512_unpacklo_epi16(t1, t3), word);
+    acc[3] = _mm512_dpbusd_epi32(acc[3], _mm512_unpackhi_epi16(t1, t3), word);
+}
+
+/* sum[0, 64) += s_b * the four int32 sums. */
+__attribute__((target("avx512f,avx512bw,avx512vnni"), always_inline))
+static inline void rana_vnni_flush(const __m512i* acc, __m512 sb, float* sum) {
+    for (int i = 0; i < 4; ++i)
+        _mm512_store_ps(sum + 16 * i, _mm512_fmadd_ps(_mm512_cvtepi32_ps(acc[i]), sb, _mm512_load_ps(sum + 16 * i)));
+}
+
 __attribute__((target("avx512f,avx512bw,avx512vnni")))
 static void rana_a8_cols_vnni(const int8_t* __restrict w, int64_t ldw, const rana_a8_tokens* __restrict s,
                               int64_t blocks, int64_t width, int32_t* __restrict acc, float* __restrict sum) {
     /* width: a multiple of 64; sums in the interleave's order */
+    (void)acc;
     const __m512i offset = _mm512_set1_epi8((char)0x80);
-    for (int64_t j = 0; j < width; j += 16) {
-        _mm512_store_si512((void*)(acc + j), _mm512_setzero_si512());
-        _mm512_store_ps(sum + j, _mm512_setzero_ps());
-    }
-    const int64_t groups = s->start[blocks];
-    for (int64_t p = 0; p < RANA_A8_AHEAD && p < 4 * groups; ++p) rana_prefetch_a8(w + s->rows[p] * ldw, width);
+    for (int64_t j = 0; j < width; j += 16) _mm512_store_ps(sum + j, _mm512_setzero_ps());
+    const int8_t* rows[4 * (RANA_A8_BLOCK_MAX / 4 + 1)];  /* a block's rows, its padded last group included */
+    rana_a8_prefetch_first(w, ldw, s, blocks, width);
     for (int64_t b = 0; b < blocks; ++b) {
-        const int64_t g0 = s->start[b], g1 = s->start[b + 1];
-        if (g0 == g1) continue;
-        for (int64_t g = g0; g < g1; ++g) {
-            const int8_t* r[4];
-            rana_a8_group_rows(w, ldw, s, g, groups, width, r);
-            const int8_t *r0 = r[0], *r1 = r[1], *r2 = r[2], *r3 = r[3];
-            const __m512i word = _mm512_set1_epi32(s->words[g]);
-            for (int64_t c = 0; c < width; c += 64) {
-                const __m512i a0 = _mm512_xor_si512(_mm512_loadu_si512((const void*)(r0 + c)), offset);
-                const __m512i a1 = _mm512_xor_si512(_mm512_loadu_si512((const void*)(r1 + c)), offset);
-                const __m512i a2 = _mm512_xor_si512(_mm512_loadu_si512((const void*)(r2 + c)), offset);
-                const __m512i a3 = _mm512_xor_si512(_mm512_loadu_si512((const void*)(r3 + c)), offset);
-                const __m512i t0 = _mm512_unpacklo_epi8(a0, a1), t1 = _mm512_unpackhi_epi8(a0, a1);
-                const __m512i t2 = _mm512_unpacklo_epi8(a2, a3), t3 = _mm512_unpackhi_epi8(a2, a3);
-                int32_t* ac = acc + c;
-                _mm512_store_si512((void*)ac, _mm512_dpbusd_epi32(_mm512_load_si512((const void*)ac),
-                                                                  _mm512_unpacklo_epi16(t0, t2), word));
-                _mm512_store_si512((void*)(ac + 16), _mm512_dpbusd_epi32(_mm512_load_si512((const void*)(ac + 16)),
-                                                                         _mm512_unpackhi_epi16(t0, t2), word));
-                _mm512_store_si512((void*)(ac + 32), _mm512_dpbusd_epi32(_mm512_load_si512((const void*)(ac + 32)),
-                                                                         _mm512_unpacklo_epi16(t1, t3), word));
-                _mm512_store_si512((void*)(ac + 48), _mm512_dpbusd_epi32(_mm512_load_si512((const void*)(ac + 48)),
-                                                                         _mm512_unpackhi_epi16(t1, t3), word));
-            }
-        }
-        const __m512i corr = _mm512_set1_epi32(s->bcorr[b]);
+        const int64_t g0 = s->start[b], n = 4 * (s->start[b + 1] - g0);
+        if (n == 0) continue;
+        for (int64_t p = 0; p < n; ++p) rows[p] = w + s->rows[4 * g0 + p] * ldw;
+        const int64_t ahead = 4 * g0 + n, total = 4 * s->start[blocks];
+        const int64_t na = total - ahead < RANA_A8_AHEAD ? total - ahead : RANA_A8_AHEAD;
+        const __m512i corr = _mm512_set1_epi32(-s->bcorr[b]);
         const __m512 sb = _mm512_set1_ps(s->bscale[b]);
-        for (int64_t j = 0; j < width; j += 16) {
-            const __m512i a = _mm512_sub_epi32(_mm512_load_si512((const void*)(acc + j)), corr);
-            _mm512_store_ps(sum + j, _mm512_fmadd_ps(_mm512_cvtepi32_ps(a), sb, _mm512_load_ps(sum + j)));
-            _mm512_store_si512((void*)(acc + j), _mm512_setzero_si512());
+        const int32_t* words = s->words + g0;
+        int64_t c = 0;
+        for (; c + 128 <= width; c += 128) {  /* two chunks per step: 128 bytes of each row */
+            rana_a8_prefetch_lines(w, ldw, s->rows + ahead, na, c, c + 128);
+            __m512i sums[8] = {corr, corr, corr, corr, corr, corr, corr, corr};
+            for (int64_t p = 0; p < n; p += 4) {
+                const __m512i word = _mm512_set1_epi32(words[p / 4]);
+                rana_vnni_group(rows + p, c, word, offset, sums);
+                rana_vnni_group(rows + p, c + 64, word, offset, sums + 4);
+            }
+            rana_vnni_flush(sums, sb, sum + c);
+            rana_vnni_flush(sums + 4, sb, sum + c + 64);
+        }
+        if (c < width) {  /* the last 64 columns */
+            rana_a8_prefetch_lines(w, ldw, s->rows + ahead, na, c, c + 64);
+            __m512i sums[4] = {corr, corr, corr, corr};
+            for (int64_t p = 0; p < n; p += 4)
+                rana_vnni_group(rows + p, c, _mm512_set1_epi32(words[p / 4]), offset, sums);
+            rana_vnni_flush(sums, sb, sum + c);
         }
     }
     /* back in column order: chunk vectors v0..v3 hold columns {0-3,16-19,32-35,48-51} + 4i */
@@ -496,49 +519,53 @@ static void rana_a8_cols_vnni(const int8_t* __restrict w, int64_t ldw, const ran
     }
 }
 
+/* The AVX2 loop, in the VNNI loop's order (block by block, 32 columns at a time, the block's int32 sums in four
+   registers, rows read side by side, the next block's rows prefetched meanwhile). */
 __attribute__((target("avx2,fma")))
 static void rana_a8_cols_avx2(const int8_t* __restrict w, int64_t ldw, const rana_a8_tokens* __restrict s,
                               int64_t blocks, int64_t width, int32_t* __restrict acc, float* __restrict sum) {
     /* width: a multiple of 32; sums in the interleave's order */
+    (void)acc;
     const __m256i ones = _mm256_set1_epi16(1), floor = _mm256_set1_epi8(-127);
-    for (int64_t j = 0; j < width; j += 8) {
-        _mm256_store_si256((__m256i*)(acc + j), _mm256_setzero_si256());
-        _mm256_store_ps(sum + j, _mm256_setzero_ps());
-    }
-    const int64_t groups = s->start[blocks];
-    for (int64_t p = 0; p < RANA_A8_AHEAD && p < 4 * groups; ++p) rana_prefetch_a8(w + s->rows[p] * ldw, width);
+    for (int64_t j = 0; j < width; j += 8) _mm256_store_ps(sum + j, _mm256_setzero_ps());
+    const int8_t* rows[4 * (RANA_A8_BLOCK_MAX / 4 + 1)];
+    rana_a8_prefetch_first(w, ldw, s, blocks, width);
     for (int64_t b = 0; b < blocks; ++b) {
-        const int64_t g0 = s->start[b], g1 = s->start[b + 1];
-        if (g0 == g1) continue;
-        for (int64_t g = g0; g < g1; ++g) {
-            const int8_t* r[4];
-            rana_a8_group_rows(w, ldw, s, g, groups, width, r);
-            const int8_t *r0 = r[0], *r1 = r[1], *r2 = r[2], *r3 = r[3];
-            const __m256i word = _mm256_set1_epi32(s->words[g]);
-            const __m256i mag = _mm256_abs_epi8(word);
-            for (int64_t c = 0; c < width; c += 32) {
+        const int64_t g0 = s->start[b], n = 4 * (s->start[b + 1] - g0);
+        if (n == 0) continue;
+        for (int64_t p = 0; p < n; ++p) rows[p] = w + s->rows[4 * g0 + p] * ldw;
+        const int64_t ahead = 4 * g0 + n, total = 4 * s->start[blocks];
+        const int64_t na = total - ahead < RANA_A8_AHEAD ? total - ahead : RANA_A8_AHEAD;
+        const __m256 sb = _mm256_set1_ps(s->bscale[b]);
+        const int32_t* words = s->words + g0;
+        for (int64_t c = 0; c < width; c += 32) {
+            if (c % 64 == 0) rana_a8_prefetch_lines(w, ldw, s->rows + ahead, na, c, c + 64);
+            __m256i s0 = _mm256_setzero_si256(), s1 = s0, s2 = s0, s3 = s0;
+            for (int64_t p = 0; p < n; p += 4) {
+                const __m256i word = _mm256_set1_epi32(words[p / 4]);
+                const __m256i mag = _mm256_abs_epi8(word);
                 /* codes are -127..127; -128 (never written by rana) is read as -127 so that signing it cannot wrap */
-                const __m256i a0 = _mm256_max_epi8(_mm256_loadu_si256((const __m256i*)(r0 + c)), floor);
-                const __m256i a1 = _mm256_max_epi8(_mm256_loadu_si256((const __m256i*)(r1 + c)), floor);
-                const __m256i a2 = _mm256_max_epi8(_mm256_loadu_si256((const __m256i*)(r2 + c)), floor);
-                const __m256i a3 = _mm256_max_epi8(_mm256_loadu_si256((const __m256i*)(r3 + c)), floor);
+                const __m256i a0 = _mm256_max_epi8(_mm256_loadu_si256((const __m256i*)(rows[p] + c)), floor);
+                const __m256i a1 = _mm256_max_epi8(_mm256_loadu_si256((const __m256i*)(rows[p + 1] + c)), floor);
+                const __m256i a2 = _mm256_max_epi8(_mm256_loadu_si256((const __m256i*)(rows[p + 2] + c)), floor);
+                const __m256i a3 = _mm256_max_epi8(_mm256_loadu_si256((const __m256i*)(rows[p + 3] + c)), floor);
                 const __m256i t0 = _mm256_unpacklo_epi8(a0, a1), t1 = _mm256_unpackhi_epi8(a0, a1);
                 const __m256i t2 = _mm256_unpacklo_epi8(a2, a3), t3 = _mm256_unpackhi_epi8(a2, a3);
-                const __m256i u[4] = {_mm256_unpacklo_epi16(t0, t2), _mm256_unpackhi_epi16(t0, t2),
-                                      _mm256_unpacklo_epi16(t1, t3), _mm256_unpackhi_epi16(t1, t3)};
-                for (int i = 0; i < 4; ++i) {
-                    /* |q| x (w signed by q): pairs within +-2 * 127 * 127, no int16 saturation */
-                    const __m256i pairs = _mm256_maddubs_epi16(mag, _mm256_sign_epi8(u[i], word));
-                    __m256i* ac = (__m256i*)(acc + c + 8 * i);
-                    _mm256_store_si256(ac, _mm256_add_epi32(_mm256_load_si256(ac), _mm256_madd_epi16(pairs, ones)));
-                }
+                /* |q| x (w signed by q): pairs within +-2 * 127 * 127, no int16 saturation */
+                s0 = _mm256_add_epi32(s0, _mm256_madd_epi16(_mm256_maddubs_epi16(
+                    mag, _mm256_sign_epi8(_mm256_unpacklo_epi16(t0, t2), word)), ones));
+                s1 = _mm256_add_epi32(s1, _mm256_madd_epi16(_mm256_maddubs_epi16(
+                    mag, _mm256_sign_epi8(_mm256_unpackhi_epi16(t0, t2), word)), ones));
+                s2 = _mm256_add_epi32(s2, _mm256_madd_epi16(_mm256_maddubs_epi16(
+                    mag, _mm256_sign_epi8(_mm256_unpacklo_epi16(t1, t3), word)), ones));
+                s3 = _mm256_add_epi32(s3, _mm256_madd_epi16(_mm256_maddubs_epi16(
+                    mag, _mm256_sign_epi8(_mm256_unpackhi_epi16(t1, t3), word)), ones));
             }
-        }
-        const __m256 sb = _mm256_set1_ps(s->bscale[b]);
-        for (int64_t j = 0; j < width; j += 8) {
-            const __m256i a = _mm256_load_si256((const __m256i*)(acc + j));
-            _mm256_store_ps(sum + j, _mm256_fmadd_ps(_mm256_cvtepi32_ps(a), sb, _mm256_load_ps(sum + j)));
-            _mm256_store_si256((__m256i*)(acc + j), _mm256_setzero_si256());
+            float* sc = sum + c;
+            _mm256_store_ps(sc, _mm256_fmadd_ps(_mm256_cvtepi32_ps(s0), sb, _mm256_load_ps(sc)));
+            _mm256_store_ps(sc + 8, _mm256_fmadd_ps(_mm256_cvtepi32_ps(s1), sb, _mm256_load_ps(sc + 8)));
+            _mm256_store_ps(sc + 16, _mm256_fmadd_ps(_mm256_cvtepi32_ps(s2), sb, _mm256_load_ps(sc + 16)));
+            _mm256_store_ps(sc + 24, _mm256_fmadd_ps(_mm256_cvtepi32_ps(s3), sb, _mm256_load_ps(sc + 24)));
         }
     }
     /* back in column order: chunk vectors v0..v3 hold columns {0-3,16-19} + 4i */
