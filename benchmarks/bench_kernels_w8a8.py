@@ -42,19 +42,13 @@ except ImportError:  # a checkout without `pip install -e .`: import kernels/ as
     HEADER_NAME, c_header = importlib.import_module("kernels.modes").HEADER_NAME, importlib.import_module(
         "kernels.modes").c_header
 
+sys.path.insert(0, str(ROOT / "benchmarks"))
+from bench_kernels_int8 import _pool_us, _threshold  # noqa: E402  (the int8 kernel benchmark's pool and masks)
+
 # (name, K, N): SmolLM2-135M (hidden 576, MLP 1536) and Qwen2.5-Coder-1.5B (hidden 1536, MLP 8960)
 SHAPES = [("smollm2 up", 576, 1536), ("smollm2 down", 1536, 576), ("qwen2.5-1.5b up", 1536, 8960),
           ("qwen2.5-1.5b down", 8960, 1536)]
 FRACS = [0.3, 0.5, 1.0]
-
-
-def _threshold(v: torch.Tensor, frac: float) -> float:
-    """|v| >= t keeps exactly round(frac*K) inputs (midway between two sorted magnitudes)."""
-    s, _ = torch.sort(v.abs().reshape(-1), descending=True)
-    n = round(frac * s.numel())
-    if n >= s.numel():
-        return float(s[-1]) / 2
-    return (float(s[n - 1]) + float(s[n])) / 2
 
 
 def _build(source: str, folder: Path) -> "cg.Library":
@@ -66,17 +60,6 @@ def _build(source: str, folder: Path) -> "cg.Library":
         return cg.build_variant(os.environ.get("CC", "cc"), cg.BUILD_ATTEMPTS[0], folder)
     finally:
         cg.source = real
-
-
-def _pool_us(fn, pool, reps: int) -> float:
-    fn(pool[0])
-    runs = []
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        for w in pool:
-            fn(w)
-        runs.append((time.perf_counter() - t0) / len(pool))
-    return sorted(runs)[len(runs) // 2] * 1e6
 
 
 def run(shapes, fracs, threads_list, blocks, libs, pool_mb: float, rounds: int, reps: int) -> list[dict]:
