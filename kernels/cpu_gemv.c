@@ -470,9 +470,8 @@ static inline void rana_vnni_flush(const __m512i* acc, __m512 sb, float* sum) {
 
 __attribute__((target("avx512f,avx512bw,avx512vnni")))
 static void rana_a8_cols_vnni(const int8_t* __restrict w, int64_t ldw, const rana_a8_tokens* __restrict s,
-                              int64_t blocks, int64_t width, int32_t* __restrict acc, float* __restrict sum) {
+                              int64_t blocks, int64_t width, float* __restrict sum) {
     /* width: a multiple of 64; sums in the interleave's order */
-    (void)acc;
     const __m512i offset = _mm512_set1_epi8((char)0x80);
     for (int64_t j = 0; j < width; j += 16) _mm512_store_ps(sum + j, _mm512_setzero_ps());
     const int8_t* rows[4 * (RANA_A8_BLOCK_MAX / 4 + 1)];  /* a block's rows, its padded last group included */
@@ -523,9 +522,8 @@ static void rana_a8_cols_vnni(const int8_t* __restrict w, int64_t ldw, const ran
    registers, rows read side by side, the next block's rows prefetched meanwhile). */
 __attribute__((target("avx2,fma")))
 static void rana_a8_cols_avx2(const int8_t* __restrict w, int64_t ldw, const rana_a8_tokens* __restrict s,
-                              int64_t blocks, int64_t width, int32_t* __restrict acc, float* __restrict sum) {
+                              int64_t blocks, int64_t width, float* __restrict sum) {
     /* width: a multiple of 32; sums in the interleave's order */
-    (void)acc;
     const __m256i ones = _mm256_set1_epi16(1), floor = _mm256_set1_epi8(-127);
     for (int64_t j = 0; j < width; j += 8) _mm256_store_ps(sum + j, _mm256_setzero_ps());
     const int8_t* rows[4 * (RANA_A8_BLOCK_MAX / 4 + 1)];
@@ -613,10 +611,10 @@ static void rana_a8_range(const int8_t* __restrict w, const float* __restrict qs
 #ifdef RANA_X86
     if (isa >= RANA_ISA_AVX512_VNNI) {
         vec = width / 64 * 64;
-        if (vec) rana_a8_cols_vnni(w + j0, ldw, s, blocks, vec, acc, sum);
+        if (vec) rana_a8_cols_vnni(w + j0, ldw, s, blocks, vec, sum);
     } else if (isa == RANA_ISA_AVX2) {
         vec = width / 32 * 32;
-        if (vec) rana_a8_cols_avx2(w + j0, ldw, s, blocks, vec, acc, sum);
+        if (vec) rana_a8_cols_avx2(w + j0, ldw, s, blocks, vec, sum);
     }
 #endif
     if (vec < width) rana_a8_cols_c(w, ldw, s, blocks, j0 + vec, j1, acc + vec, sum + vec);
