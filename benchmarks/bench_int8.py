@@ -75,6 +75,11 @@ FORMATS = {"float": "W8A16", "int8": "W8A8"}
 ROW_FORMATS = ("fp32", *FORMATS.values())  # the sparse rows' formats
 DENSE_RANA = {act: f"dense {fmt} (rana)" for act, fmt in FORMATS.items()}
 LLAMA_HOW = "pip install llama-cpp-python (builds llama.cpp from source; benchmark only, not a rana dependency)"
+# What a llama.cpp build should use where the CPU has it (its `llama_print_system_info()` names); a build without one
+# of them is slower than llama.cpp is on this CPU, and the table says so. A native build on a CPU that lists AMX but
+# whose kernel does not grant AMX tile state dies on its first token (SIGILL on `tilezero`): build it for the same
+# CPU without AMX, as benchmarks/results/README.md shows.
+LLAMA_SIMD = {"avx2": "AVX2", "fma": "FMA", "avx512f": "AVX512", "avx512_vnni": "AVX512_VNNI", "avx_vnni": "AVX_VNNI"}
 
 _T0 = time.perf_counter()
 
@@ -178,7 +183,32 @@ def llama_q8_0(src_gguf: Path, work: Path, log: list[str]) -> tuple[Path | None,
         rc = llama_cpp.llama_model_quantize(str(src_gguf).encode(), str(dst).encode(), ctypes.byref(params))
         if rc != 0 or not dst.exists():
             return None, f"llama_model_quantize returned {rc}"
-    return dst, f"llama-cpp-python {getattr(llama_cpp, '__version__', '?')}"
+    info = llama_cpp.llama_print_system_info().decode(errors="replace").strip()
+    note = f"llama-cpp-python {getattr(llama_cpp, '__version__', '?')}; ggml CPU features: {info}"
+    missing = llama_missing_simd(info, cpu_flags())
+    if missing:
+        note += (f"; WARNING: this CPU has {', '.join(missing)} but this llama.cpp build does not use it, so llama.cpp's "
+                 "row is slower than a build for this CPU")
+    return dst, note
+
+
+def cpu_flags() -> set[str]:
+    """The CPU's feature flags (/proc/cpuinfo; empty where there is none)."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("flags"):
+                return set(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    return set()
+
+
+def llama_missing_simd(info: str, flags: set[str]) -> list[str]:
+    """llama.cpp's names of the LLAMA_SIMD features the CPU has (`flags`) and the build (`info`, its
+    llama_print_system_info: "AVX2 = 1 | ...") does not use."""
+    used = {k.strip() for k, _, v in (part.partition("=") for part in info.replace("CPU :", "|").split("|"))
+            if v.strip() == "1"}
+    return [name for flag, name in LLAMA_SIMD.items() if flag in flags and name not in used]
 
 
 class LlamaRunner:
@@ -437,6 +467,8 @@ def render_markdown(result: dict) -> str:
                          f"{l['load_avg_start']} → {l['load_avg_end']}" for l in lats]
     else:
         lines.append("(no decode timing in this run)")
+    if "WARNING" in meta.get("llama_cpp", ""):
+        lines += ["", "**" + meta["llama_cpp"].split("WARNING: ", 1)[1] + ".**"]
     lines += ["", "## Targets (issue 38; measured here, benchmark outputs, not tests)", "",
               "| target | measured | limit | result |", "|---|---|---|---|"]
     for t in result["targets"]:
@@ -913,7 +945,8 @@ def method_notes(a) -> list[str]:
         "to Q8_0 blocks; same prompt token ids, greedy (top_k 1, temperature 0), same token count, n_threads = "
         "n_threads_batch = the row's thread count; llama-cpp-python's `Llama.generate` loop, timed the same way (full minus 1-token run)",
         "llama.cpp is a benchmark anchor only, never a rana dependency; to get the row: pip install llama-cpp-python "
-        "(builds llama.cpp from source)",
+        "(builds llama.cpp from source for this CPU; where AMX faults, the build in benchmarks/results/README.md); "
+        "the Run section lists the SIMD features the build uses",
         "measured F = plan.json's (the int8 folder keeps the fp32 folder's: its thresholds are refit to the same kept "
         "fractions on the calibration tokens; refit_max_fraction_shift in the JSON is the largest change)",
         "dense int8 (torch dynamic) quantizes activations per tensor on every call, which outlier channels hurt: its "

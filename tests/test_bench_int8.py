@@ -154,3 +154,20 @@ def test_vs_torch_help_runs():
                          timeout=120, env={**os.environ, "HF_HUB_OFFLINE": "1"})
     assert out.returncode == 0, out.stderr
     assert "--folder" in out.stdout and "--model" in out.stdout
+
+
+def test_llama_build_without_the_cpus_simd_is_named(bench):
+    """A llama.cpp build that leaves out SIMD the CPU has (a generic build: several times slower) is named, so the
+    table cannot pass a target against a crippled anchor unnoticed; features the CPU lacks are not asked for."""
+    native = ("CPU : SSE3 = 1 | AVX = 1 | AVX_VNNI = 1 | AVX2 = 1 | FMA = 1 | AVX512 = 1 | AVX512_VNNI = 1 | "
+              "AMX_INT8 = 0 | OPENMP = 1 |")
+    generic = "CPU : SSE3 = 1 | SSSE3 = 1 | OPENMP = 1 | REPACK = 1 |"
+    sapphire = {"avx2", "fma", "avx512f", "avx512_vnni", "avx_vnni", "amx_int8"}
+    assert bench.llama_missing_simd(native, sapphire) == []
+    assert bench.llama_missing_simd(generic, sapphire) == ["AVX2", "FMA", "AVX512", "AVX512_VNNI", "AVX_VNNI"]
+    assert bench.llama_missing_simd(generic, {"sse3"}) == []
+    assert bench.llama_missing_simd(native.replace("AVX512_VNNI = 1", "AVX512_VNNI = 0"), sapphire) == ["AVX512_VNNI"]
+    result = {"meta": {"model": "m", "llama_cpp": "llama-cpp-python 0.3; ggml CPU features: x; WARNING: this CPU has "
+                       "AVX2 but this llama.cpp build does not use it, so llama.cpp's row is slower"},
+              "sizes": [], "perplexity": [], "latency": [], "targets": []}
+    assert "**this CPU has AVX2 but this llama.cpp build does not use it" in bench.render_markdown(result)
