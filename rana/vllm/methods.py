@@ -34,10 +34,15 @@ def _dense_for(device_is_cpu: bool):
 
         holder = nn.Module()
         holder.weight = Parameter(weight.contiguous(), requires_grad=False)
+        # A stand-in bias, only for its dtype: vLLM converts a layer's bias to what the GEMM it picks takes (float32
+        # for sgl-kernel's packed GEMM, which it picks for half precision on CPUs with AMX), and the biases passed
+        # per call must follow, or that GEMM refuses them.
+        holder.bias = Parameter(torch.zeros(weight.shape[0], dtype=weight.dtype), requires_grad=False)
         # the prepacked GEMMs keep their own packed copy (the row-major one is dropped); torch's fallback keeps it
         dispatch_cpu_unquantized_gemm(holder, remove_weight=True)
-        w = holder.weight
-        return lambda x, bias: holder.cpu_linear(x, w, bias)
+        w, bias_dtype = holder.weight, holder.bias.dtype
+        del holder.bias
+        return lambda x, bias: holder.cpu_linear(x, w, bias if bias is None else bias.to(bias_dtype))
     return dense_for
 
 
