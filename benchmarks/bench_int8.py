@@ -76,9 +76,9 @@ ROW_FORMATS = ("fp32", *FORMATS.values())  # the sparse rows' formats
 DENSE_RANA = {act: f"dense {fmt} (rana)" for act, fmt in FORMATS.items()}
 LLAMA_HOW = "pip install llama-cpp-python (builds llama.cpp from source; benchmark only, not a rana dependency)"
 # What a llama.cpp build should use where the CPU has it (its `llama_print_system_info()` names); a build without one
-# of them is slower than llama.cpp is on this CPU, and the table says so. A native build on a CPU that lists AMX but
-# whose kernel does not grant AMX tile state dies on its first token (SIGILL on `tilezero`): build it for the same
-# CPU without AMX, as benchmarks/results/README.md shows.
+# of them is slower than llama.cpp is on this CPU, and the table says so. A native build on these VMs (their CPU lists
+# AMX) dies on its first token with SIGILL at its first AMX instruction (`tilezero`), while torch's AMX paths run:
+# build it for the same CPU without AMX, as benchmarks/results/README.md shows.
 LLAMA_SIMD = {"avx2": "AVX2", "fma": "FMA", "avx512f": "AVX512", "avx512_vnni": "AVX512_VNNI", "avx_vnni": "AVX_VNNI"}
 
 _T0 = time.perf_counter()
