@@ -69,12 +69,13 @@ def atomic_dir(out: Path, *, overwrite: bool = False, kind: str = "rana output")
 
 def _state_dict_for_saving(model: nn.Module) -> dict[str, torch.Tensor]:
     """The model's tensors, without the output embedding when it is the input embedding's tensor
-    (`load` ties it back)."""
+    (`load` ties it back). A config may ask for tied embeddings that the model does not tie (Gemma 3's
+    multimodal wrapper: its text config asks, transformers ties by the outer one): such a head is saved."""
     sd = model.state_dict()
-    out_emb = model.get_output_embeddings()
+    in_emb = model.get_input_embeddings()
     for k in tied_keys(model):
         v = sd.get(k)
-        if v is not None and out_emb is not None and v.device.type != "meta" and v.data_ptr() == out_emb.weight.data_ptr():
+        if v is not None and in_emb is not None and v.device.type != "meta" and v.data_ptr() == in_emb.weight.data_ptr():
             sd.pop(k)
     return {k: v.detach().contiguous() for k, v in sd.items()}
 
