@@ -11,11 +11,13 @@ from __future__ import annotations
 
 import pytest
 import torch
+from safetensors.torch import load_file, save_file
 
 import rana
 import rana.io as rio
 from helpers import exported_logits, tiny_calibration, tiny_compress_config, tiny_model
 from rana.compress import compress_model
+from rana.io.format import ModelLoadError
 from rana.methods import names
 from rana.modules.registry import ADAPTER_KINDS
 
@@ -93,3 +95,13 @@ def test_side_path_folder_exports(tmp_path):
     got = exported_logits(tmp_path / "hf", prompt, tmp_path)
     with torch.no_grad():
         torch.testing.assert_close(got, model(prompt).logits, rtol=1e-4, atol=1e-4)
+
+
+def test_a_folder_without_the_head_its_model_does_not_tie_is_refused(tmp_path):
+    # folders written before 5e0bab4 left out an untied Gemma 3 wrapper's head: one line, never a random head
+    _, folder, _ = _compress(tmp_path, "rana", "gemma3", {}, {"tie_word_embeddings": False})
+    weights = folder / "model.safetensors"
+    save_file({k: v for k, v in load_file(weights).items() if k != "lm_head.weight"}, weights, metadata={"format": "pt"})
+    with pytest.raises(ModelLoadError, match=r"1 tensors of the model were not loaded \(e.g. lm_head.weight\)") as e:
+        rana.load(folder)
+    assert "\n" not in str(e.value)

@@ -285,6 +285,31 @@ def test_int8_folder_reloads_identically_in_a_fresh_process(int8_folders, tmp_pa
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.skipif(not os.path.exists("/proc/self/status"), reason="reads the peak resident memory from /proc")
+def test_an_int8_folder_loads_without_a_float_copy_of_its_weights(tmp_path):
+    # rana.load builds the model on the meta device and assigns the folder's tensors: loading an int8 folder takes
+    # about its size in memory. Built as a float model first, its linear weights alone would take 4 bytes each.
+    folders = []
+    for size in ({}, dict(hidden_size=1024, intermediate_size=4096, num_attention_heads=8, num_key_value_heads=8)):
+        model = tiny_model("llama", num_hidden_layers=2, **size)
+        float_bytes = 4 * sum(m.weight.numel() for m in model.modules() if isinstance(m, nn.Linear))
+        quantize_model(model, None, activations="int8")
+        folders.append(str(rio.save(model, None, tmp_path / f"w8a8_{len(folders)}", plan={"weights": "int8"})))
+    # a small folder loaded first (what a load imports is imported), then the big one; VmHWM: this process's peak
+    # resident memory (ru_maxrss would carry over the forking pytest process's)
+    script = ("import sys, rana\n"
+              "def peak(): return int(next(l for l in open('/proc/self/status') if l.startswith('VmHWM')).split()[1])\n"
+              "rana.load(sys.argv[1])\n"
+              "before = peak()\n"
+              "m, _ = rana.load(sys.argv[2])\n"
+              "print((peak() - before) * 1024)")
+    proc = subprocess.run([sys.executable, "-c", script, *folders], capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "HF_HUB_OFFLINE": "1"})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    grown = int(proc.stdout.strip().splitlines()[-1])
+    assert grown < float_bytes / 2, (grown, float_bytes)  # the int8 rows are float_bytes / 4
+
+
 @pytest.mark.parametrize("args,message", [
     (["quantize", "{src}", "--weights", "int4", "--out", "{out}"], "unknown --weights 'int4'"),
     (["quantize", "{missing}", "--weights", "int8", "--out", "{out}"], "does not exist"),

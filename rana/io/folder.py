@@ -17,6 +17,7 @@ from typing import Iterator
 
 import torch
 import torch.nn as nn
+from accelerate import init_empty_weights
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
@@ -125,6 +126,47 @@ def _load_weights(files: list[Path]) -> dict[str, torch.Tensor]:
     return state
 
 
+def _in_model_dtypes(model: nn.Module, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """`state` with each tensor in the dtype of the model's tensor it replaces: an assigning load casts as a
+    copying one would (a float32 file into a model built in bf16)."""
+    have = model.state_dict(keep_vars=True)
+    for name, value in state.items():
+        target = have.get(name)
+        if target is not None and target.dtype != value.dtype:
+            state[name] = value.to(target.dtype)
+    return state
+
+
+def _shared_parameters(model: nn.Module) -> list[list[str]]:
+    """The names of each parameter the model holds under several names (an LM head tied to the embedding)."""
+    names: dict[int, list[str]] = {}
+    for name, p in model.named_parameters(remove_duplicate=False):
+        names.setdefault(id(p), []).append(name)
+    return [group for group in names.values() if len(group) > 1]
+
+
+def _reshare(model: nn.Module, shared: list[list[str]], state: dict[str, torch.Tensor]) -> None:
+    """Every name of each group in `shared` holds the parameter loaded under the group's first name the state
+    held, as after a load that copies into the shared tensor."""
+    for group in shared:
+        source = next((name for name in group if name in state), None)
+        if source is None:
+            continue
+        param = model.get_parameter(source)
+        for name in group:
+            owner, _, attr = name.rpartition(".")
+            setattr(model.get_submodule(owner), attr, param)
+
+
+def _check_materialized(model: nn.Module, *, where: str, fix: str) -> None:
+    """ModelLoadError when a parameter or buffer was left on the meta device (nothing in the folder filled it):
+    a model that would fail, or compute nonsense, at its first forward."""
+    empty = [name for name, t in [*model.named_parameters(), *model.named_buffers()] if t.is_meta]
+    if empty:
+        raise ModelLoadError(f"{where}: {len(empty)} tensors of the model were not loaded (e.g. {', '.join(empty[:3])}); "
+                             f"{fix}")
+
+
 def _read_json(file: Path, schema, fix: str):
     """A folder's JSON file (read with a size and depth bound) checked against `schema` (rana.io.schema); one
     line naming the file and the field otherwise. `fix`: what the user can do about it."""
@@ -204,16 +246,25 @@ def load(path: Path | str, *, device: str = "cpu", dtype: torch.dtype | None = N
     if isinstance(dtype, str):
         dtype = getattr(torch, dtype.removeprefix("torch."))
     build_dtype = dtype if isinstance(dtype, torch.dtype) and dtype.is_floating_point else saved_dtype
-    model = AutoModelForCausalLM.from_config(config, dtype=build_dtype)
-    # empty adapters, int8 modules (rana.modules.int8) and LAuReL, before the weights load
-    loadchecks.install_record(model, meta, build_dtype, where=f"'{path / RANA_CONFIG}'", record_name=RANA_CONFIG)
+    # Built on the meta device and the folder's tensors assigned, not copied in: an int8 folder never passes
+    # through a float copy of the model, so loading takes about the folder's size in memory, not 4 bytes per
+    # weight. The stock model's buffers are real (RoPE's tables are computed, not loaded); rana's modules are
+    # wholly meta (every tensor they hold is in the folder, or recomputed by finish_rana).
+    with init_empty_weights(include_buffers=False):
+        model = AutoModelForCausalLM.from_config(config, dtype=build_dtype)
+    with init_empty_weights(include_buffers=True):  # empty adapters, int8 modules (rana.modules.int8) and LAuReL
+        loadchecks.install_record(model, meta, build_dtype, where=f"'{path / RANA_CONFIG}'", record_name=RANA_CONFIG)
     # only what tie_weights() fills may be absent: a tied head's threshold (or bias) missing from the
     # weights would otherwise be taken from rana_config.json without a word
     loadchecks.check_tensors(loadchecks.tensor_specs(model.state_dict()), found, absent_ok=tied_keys(model),
                              where=where, record=RANA_CONFIG, fix=fix)
-    model.load_state_dict(_load_weights(files), strict=False)  # (strict: checked above, tied keys aside)
+    shared = _shared_parameters(model)  # tied at construction: an assigning load would part them
+    state = _in_model_dtypes(model, _load_weights(files))
+    model.load_state_dict(state, strict=False, assign=True)  # (strict: checked above, tied keys aside)
+    _reshare(model, shared, state)
     loadchecks.check_loaded(model, meta, where=where, record=RANA_CONFIG, fix=fix)
     model.tie_weights()
+    _check_materialized(model, where=where, fix=fix)
     finish_rana(model, get_arch(config))  # column norms of the loaded weights, decode groups
     if dtype is not None and dtype != build_dtype:  # (not again: .to() would round RoPE's float32 buffers)
         model = model.to(dtype)
