@@ -192,15 +192,20 @@ def llama_q8_0(src_gguf: Path, work: Path, log: list[str]) -> tuple[Path | None,
     return dst, note
 
 
-def cpu_flags() -> set[str]:
-    """The CPU's feature flags (/proc/cpuinfo; empty where there is none)."""
+def cpuinfo_field(key: str) -> str | None:
+    """The first /proc/cpuinfo line's value for `key` (None where there is no such line or no /proc/cpuinfo)."""
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("flags"):
-                return set(line.split(":", 1)[1].split())
+            if line.startswith(key):
+                return line.split(":", 1)[1].strip()
     except OSError:
         pass
-    return set()
+    return None
+
+
+def cpu_flags() -> set[str]:
+    """The CPU's feature flags (/proc/cpuinfo; empty where there is none)."""
+    return set((cpuinfo_field("flags") or "").split())
 
 
 def llama_missing_simd(info: str, flags: set[str]) -> list[str]:
@@ -494,13 +499,7 @@ def render_markdown(result: dict) -> str:
 
 
 def cpu_model() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "?"
+    return cpuinfo_field("model name") or platform.processor() or "?"
 
 
 # ----------------------------------------------------------------------------------------------- main
