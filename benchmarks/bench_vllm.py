@@ -83,7 +83,9 @@ def _load() -> float:
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--dense", default="smollm2-135m")
+    ap.add_argument("--dense", default="smollm2-135m",
+                    help="the float dense model (alias, folder or .gguf); 'none': no float worker, for a model whose "
+                         "fp32 engine does not fit in memory beside the int8 ones (needs --int8-dense, no --rana)")
     ap.add_argument("--rana", action="append", default=[], metavar="F=FOLDER")
     ap.add_argument("--int8-dense", default=None, metavar="FOLDER")
     ap.add_argument("--int8", action="append", default=[], metavar="F=FOLDER")
@@ -93,10 +95,12 @@ def main(argv=None) -> int:
     ap.add_argument("--eager", action="store_true", help="vLLM's eager mode instead of its default compiled one")
     ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "vllm_cpu"))
     args = ap.parse_args(argv)
+    if args.dense == "none" and (args.rana or not args.int8_dense):
+        ap.error("--dense none leaves no reference for float rows: give --int8-dense and no --rana")
     from atomic_table import write_report  # benchmarks/atomic_table.py: each file atomically
 
     work = Path(tempfile.mkdtemp(prefix="rana_vllm_bench_"))
-    models = {"dense": _dense_folder(args.dense, work)}
+    models = {} if args.dense == "none" else {"dense": _dense_folder(args.dense, work)}
     for spec in args.rana:
         f, folder = spec.split("=", 1)
         models[f"rana F={f}"] = _export(Path(folder), work, "rana_" + f.replace(".", "_"))
@@ -161,7 +165,8 @@ def main(argv=None) -> int:
               + ("eager" if args.eager else "compiled (default)") + ", fp32, engine in the worker process",
               "new_tokens": args.new_tokens, "rounds": args.rounds, "load_average": loads, "rows": rows,
               "models": {k: str(v) for k, v in models.items()}}
-    lines = ["# Decode inside vLLM (CPU): dense SmolLM2-135M against rana, same engine", "",
+    subject = args.dense if args.dense != "none" else Path(args.int8_dense).name
+    lines = [f"# Decode inside vLLM (CPU): dense {subject} against rana, same engine", "",
              f"{result['engine']}; {args.new_tokens} new tokens, {args.rounds} interleaved rounds (ABBA); load average "
              f"{min(loads):.2f}–{max(loads):.2f}. Per-step decode time = (T_N − T_1) / (N − 1), medians; the ratio is "
              f"rana / dense of the same weight format, per round.", "", f"`{result['command']}`", "",
